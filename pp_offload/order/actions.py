@@ -1,0 +1,89 @@
+"""Plain-Python pipeline actions and costs.
+
+Orders are produced without torch.distributed so they can be generated, checked and simulated in
+milliseconds. `Action` deliberately has the same field names as torch's private `_Action`
+(`stage_index`, `computation_type`, `microbatch_index`) and prints the same way (`2F0`, `7I3`), so the
+simulator reads either kind and the runtime converts ours to torch's in exactly one place
+(`pp_offload.runtime.compat`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+F = "F"  # forward
+I = "I"  # backward w.r.t. the stage input (the papers call it B)
+W = "W"  # backward w.r.t. the weights
+B = "B"  # full backward (I + W in one pass)
+COMPUTE_KINDS = (F, I, W, B)
+
+
+class Action(NamedTuple):
+    """One pass of one microbatch on one stage, e.g. ``Action(3, "F", 1)`` prints as ``3F1``."""
+
+    stage_index: int
+    computation_type: str
+    microbatch_index: int
+
+    def __str__(self) -> str:
+        return f"{self.stage_index}{self.computation_type}{self.microbatch_index}"
+
+    __repr__ = __str__
+
+
+Order = dict[int, list[Action]]
+"""rank -> that rank's actions in execution order (compute only)."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Relative durations of one chunk's passes and of one point-to-point transfer.
+
+    A *chunk* is one V stage (half of a rank's layers). Only ratios matter; unit costs are the
+    papers' default. ``comm`` is the latency added when a pass depends on a pass of another rank.
+    """
+
+    F: float = 1.0
+    I: float = 1.0
+    W: float = 1.0
+    comm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("F", "I", "W"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"costs[{name!r}] must be > 0, got {value!r}")
+        if not self.comm >= 0:
+            raise ValueError(f"costs['comm'] must be >= 0, got {self.comm!r}")
+
+    @classmethod
+    def coerce(cls, costs: Costs | Mapping[str, float] | None) -> Costs:
+        """Accept ``None`` (unit costs), a ``Costs`` or a mapping like ``{"F": 3, "I": 4, "W": 2}``."""
+        if costs is None:
+            return cls()
+        if isinstance(costs, Costs):
+            return costs
+        if not isinstance(costs, Mapping):
+            raise TypeError(f"costs must be a mapping like {{'F': 1, 'I': 1, 'W': 1, 'comm': 0}}, got {costs!r}")
+        unknown = set(costs) - {"F", "I", "W", "comm"}
+        if unknown:
+            raise ValueError(f"unknown cost keys {sorted(unknown)}; allowed keys are 'F', 'I', 'W', 'comm'")
+        return cls(**{k: float(v) for k, v in costs.items()})
+
+    def of(self, kind: str) -> float:
+        """Duration of one pass of ``kind`` (F, I, W or B = I + W) on one chunk."""
+        if kind == B:
+            return self.I + self.W
+        return getattr(self, kind)
+
+
+def v_stages(rank: int, num_ranks: int) -> tuple[int, int]:
+    """The two stages rank ``rank`` holds in V placement: ``r`` (down the V) and ``2d-1-r`` (back up)."""
+    return rank, 2 * num_ranks - 1 - rank
+
+
+def v_rank_of_stage(stage: int, num_ranks: int) -> int:
+    """Rank holding ``stage`` in V placement."""
+    return stage if stage < num_ranks else 2 * num_ranks - 1 - stage
