@@ -1,0 +1,191 @@
+"""Squeeze an order with real costs and fill its idle gaps without raising any rank's memory peak.
+
+Repeating a building block gives a good *stable phase* but a ragged warm-up and cool-down. Squeezing
+(start every pass as early as its rank and its dependencies allow, same per-rank order) is what
+`pp_offload.sim.simulate` does. On top of that, `compact` lets a rank that would sit idle waiting for
+its next pass run a later pass of its own list that is ready now and *ends before the waited-for pass
+could start anyway*. Such a move never delays anything, so the makespan can only shrink; F moves are
+only allowed while the rank stays under its memory cap (by default the peak the squeezed order already
+has), so memory never grows. Per (stage, kind), microbatches keep their order, which torch's
+runtime and lowering expect.
+"""
+
+from __future__ import annotations
+
+from pp_offload.order.actions import Action, B, Costs, F, I, Order, W
+from pp_offload.sim import dependency, simulate
+
+_EPS = 1e-9
+
+
+def compact(
+    order: Order,
+    costs: Costs,
+    *,
+    memory_cap: dict[int, float] | None = None,
+    lookahead: int | None = None,
+    rounds: int = 3,
+) -> Order:
+    """Return ``order`` with gaps filled (see module doc); never slower, never above ``memory_cap``.
+
+    ``memory_cap`` (rank -> chunk units) defaults to each rank's peak in the squeezed ``order``.
+    ``lookahead`` bounds how far down its list a rank looks for a filler (default: 6 x ranks).
+    """
+    base = simulate(order, costs)
+    caps = dict(base.peak_memory) if memory_cap is None else dict(memory_cap)
+    best, best_time = order, base.makespan
+    for _ in range(rounds):
+        improved = False
+        for promote in (False, True):
+            candidate = _fill_once(best, costs, caps, lookahead or 6 * len(order), promote)
+            result = simulate(candidate, costs)
+            fits = all(result.peak_memory[r] <= caps[r] + _EPS for r in candidate)
+            if fits and result.makespan < best_time - _EPS:
+                best, best_time, improved = candidate, result.makespan, True
+        if not improved:
+            break
+    return best
+
+
+def _fill_once(
+    order: Order, costs: Costs, caps: dict[int, float], lookahead: int, promote_input_grads: bool
+) -> Order:
+    """One pass of gap filling. With ``promote_input_grads`` a ready I also jumps ahead of a pending W:
+    I passes are on the critical path of the other ranks, W passes only free memory, and moving an I
+    earlier changes no rank's memory."""
+    ranks = sorted(order)
+    num_stages = max(a.stage_index for r in ranks for a in order[r]) + 1
+    scale = 2.0 * len(ranks) / num_stages
+    queues = {r: list(order[r]) for r in ranks}
+    done = {r: [False] * len(queues[r]) for r in ranks}
+    head = {r: 0 for r in ranks}
+    clock = {r: 0.0 for r in ranks}
+    live = {r: 0.0 for r in ranks}
+    end: dict[tuple[int, str, int], tuple[float, int]] = {}
+    result: Order = {r: [] for r in ranks}
+
+    def ready_time(rank: int, action: Action) -> float | None:
+        dep = dependency(action.stage_index, action.computation_type, action.microbatch_index, num_stages)
+        if dep is None:
+            return 0.0
+        if dep not in end:
+            return None
+        finish, producer = end[dep]
+        return finish + (costs.comm if producer != rank else 0.0)
+
+    def commit(rank: int, idx: int, start: float) -> None:
+        action = queues[rank][idx]
+        kind = action.computation_type
+        finish = start + costs.of(kind) * scale
+        key = (action.stage_index, I if kind == B else kind, action.microbatch_index)
+        end[key] = (finish, rank)
+        clock[rank] = finish
+        if kind == F:
+            live[rank] += scale
+        elif kind in (W, B):
+            live[rank] -= scale
+        done[rank][idx] = True
+        result[rank].append(action)
+        while head[rank] < len(queues[rank]) and done[rank][head[rank]]:
+            head[rank] += 1
+
+    remaining = sum(len(q) for q in queues.values())
+    while remaining:
+        pick = None
+        for r in ranks:
+            if head[r] >= len(queues[r]):
+                continue
+            ready = ready_time(r, queues[r][head[r]])
+            if ready is None:
+                continue
+            start = max(clock[r], ready)
+            if pick is None or start < pick[1]:
+                pick = (r, start)
+        if pick is None:
+            stuck = {r: str(queues[r][head[r]]) for r in ranks if head[r] < len(queues[r])}
+            raise ValueError(f"order cannot complete; blocked actions per rank: {stuck}")
+        rank, head_start = pick
+        filler = None
+        if promote_input_grads and queues[rank][head[rank]].computation_type == W:
+            filler = _find_ready_input_grad(rank, queues[rank], done[rank], head[rank], lookahead,
+                                            ready_time, clock[rank])
+        if filler is None and head_start > clock[rank] + _EPS:
+            filler = _find_filler(rank, head_start, queues[rank], done[rank], head[rank], lookahead,
+                                  ready_time, clock[rank], live[rank], caps[rank], costs, scale)
+        if filler is not None:
+            commit(rank, *filler)
+        else:
+            commit(rank, head[rank], head_start)
+        remaining -= 1
+    return result
+
+
+def _find_filler(rank, head_start, queue, done, head, lookahead, ready_time, now, live, cap, costs, scale):
+    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap."""
+    blocked: set[tuple[int, str]] = {(queue[head].stage_index, queue[head].computation_type)}
+    seen = 0
+    for idx in range(head + 1, len(queue)):
+        if done[idx]:
+            continue
+        seen += 1
+        if seen > lookahead:
+            break
+        action = queue[idx]
+        lane = (action.stage_index, action.computation_type)
+        if lane in blocked:
+            continue  # keep microbatch order within a (stage, kind)
+        blocked.add(lane)
+        ready = ready_time(rank, action)
+        if ready is None:
+            continue
+        start = max(now, ready)
+        if start + costs.of(action.computation_type) * scale > head_start + _EPS:
+            continue
+        if action.computation_type == F and not _fits_earlier(queue, done, head, idx, live, scale, cap):
+            continue
+        return idx, start
+    return None
+
+
+def _find_ready_input_grad(rank, queue, done, head, lookahead, ready_time, now):
+    """First I/B after the head that can start right now, keeping per-lane microbatch order."""
+    blocked: set[tuple[int, str]] = set()
+    seen = 0
+    for idx in range(head, len(queue)):
+        if done[idx]:
+            continue
+        seen += 1
+        if seen > lookahead:
+            break
+        action = queue[idx]
+        lane = (action.stage_index, action.computation_type)
+        if lane in blocked:
+            continue
+        blocked.add(lane)
+        if action.computation_type in (I, B):
+            ready = ready_time(rank, action)
+            if ready is not None and ready <= now + _EPS:
+                return idx, now
+    return None
+
+
+def _fits_earlier(queue, done, head, idx, live, scale, cap) -> bool:
+    """Would running the F at ``idx`` now keep every later point of the rank's sequence under ``cap``?
+
+    Moving an F earlier adds one chunk to the rank's memory at every pass between its new and its old
+    position (and nowhere else), so checking those points is exact.
+    """
+    level = live + scale
+    if level > cap + _EPS:
+        return False
+    for j in range(head, idx):
+        if done[j]:
+            continue
+        kind = queue[j].computation_type
+        if kind == F:
+            level += scale
+            if level > cap + _EPS:
+                return False
+        elif kind in (W, B):
+            level -= scale
+    return True
