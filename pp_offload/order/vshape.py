@@ -1,37 +1,199 @@
-"""PROVISIONAL: a simple valid V order behind the final API; replaced by the building-block generators."""
+"""V-shape orders under a memory cap: V-Min, V-Half, V-ZB and the adaptive scheduler.
+
+One mechanism serves all four. A candidate is a V building block (`pp_offload.order.blocks.v_block`)
+from a space of offsets: the paper's V-Min (offsets 1/1) and V-Half (2/1) patterns, plus every
+"first K ranks on down-offset a, the rest on b" pattern the adaptive scheduler of the controllable-
+memory paper searches. Each candidate is repeated, squeezed with the *real* costs and measured by the
+simulator; those within the memory cap are compacted (gap filling up to the cap) and the lowest makespan
+wins. So every order respects its cap by construction, the paper's canonical pattern is always among the
+candidates (its bubble is a ceiling), and unbalanced F/I/W costs choose a different pattern when one is
+better.
+
+Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
+- V-Min:  ``2 * floor((d + 4) / 3)``, about 1/3 of 1F1B;
+- V-Half: ``2 * floor((d + 2) / 2)``, about 1/2;
+- V-ZB:   ``2 * d``, 1F1B's memory, spent on removing the bubble;
+- adaptive: ``memory_limit * 1F1B``, for any limit in (0, 1].
+"""
 
 from __future__ import annotations
 
-from pp_offload.order.actions import Action, Costs, Order, v_stages
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pp_offload.order.actions import Costs, Order
+from pp_offload.order.blocks import PERIOD, VBlock, v_block
+from pp_offload.order.compact import compact
+from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
+from pp_offload.sim import simulate
+
+_MAX_DOWN_OFFSET = 4
+_COMPACTED_CANDIDATES = 3
 
 
-def _simple_v_order(num_ranks: int, num_microbatches: int) -> Order:
-    order: Order = {}
-    for r in range(num_ranks):
-        s0, s1 = v_stages(r, num_ranks)
-        acts = [Action(s0, "F", j) for j in range(num_microbatches)]
-        acts += [Action(s1, "F", j) for j in range(num_microbatches)]
-        for j in range(num_microbatches):
-            acts += [Action(s1, "I", j), Action(s1, "W", j)]
-        for j in range(num_microbatches):
-            acts += [Action(s0, "I", j), Action(s0, "W", j)]
-        order[r] = acts
-    return order
+def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
+    """1F1B's peak activation memory in chunk units: rank 0 holds min(d, m) microbatches of 2 chunks."""
+    return 2 * min(num_ranks, num_microbatches)
 
 
-def v_min_order(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> Order:
-    return _simple_v_order(num_ranks, num_microbatches)
+def v_min_cap(num_ranks: int) -> int:
+    return 2 * ((num_ranks + 4) // 3)
 
 
-def v_half_order(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> Order:
-    return _simple_v_order(num_ranks, num_microbatches)
+def v_half_cap(num_ranks: int) -> int:
+    return 2 * ((num_ranks + 2) // 2)
 
 
-def v_zb_order(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> Order:
-    return _simple_v_order(num_ranks, num_microbatches)
+@dataclass(frozen=True)
+class _Candidate:
+    name: str
+    block: VBlock
+
+
+def v_min_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
+    """V-Min: about 1/3 of 1F1B's activation memory (the paper's 1/1 offsets), lowest bubble at that cap."""
+    return _best_order(num_ranks, num_microbatches, costs, v_min_cap(num_ranks), "V-Min")
+
+
+def v_half_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
+    """V-Half: about 1/2 of 1F1B's activation memory (the paper's 2/1 offsets), lowest bubble at that cap."""
+    return _best_order(num_ranks, num_microbatches, costs, v_half_cap(num_ranks), "V-Half")
+
+
+def v_zb_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
+    """V-ZB: 1F1B's activation memory, spent on a near-zero bubble."""
+    return _best_order(num_ranks, num_microbatches, costs, 2 * num_ranks, "V-ZB")
 
 
 def adaptive_v_order(
-    num_ranks: int, num_microbatches: int, memory_limit: float, costs: Costs | None = None
+    num_ranks: int,
+    num_microbatches: int,
+    memory_limit: float,
+    costs: Costs | Mapping | None = None,
 ) -> Order:
-    return _simple_v_order(num_ranks, num_microbatches)
+    """Lowest-makespan V order whose every rank stays within ``memory_limit`` x 1F1B's peak.
+
+    Raises ``ValueError`` naming the smallest feasible limit when ``memory_limit`` is below it.
+    """
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)):
+        raise TypeError(f"memory_limit must be a float in (0, 1], got {memory_limit!r}")
+    if not 0 < memory_limit <= 1:
+        raise ValueError(
+            f"memory_limit must be a fraction of 1F1B's peak activation memory in (0, 1], got {memory_limit}"
+        )
+    reference = one_f_one_b_peak(num_ranks, num_microbatches)
+    cap = memory_limit * reference
+    return _best_order(num_ranks, num_microbatches, costs, cap, f"adaptive(memory_limit={memory_limit})")
+
+
+def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2:
+        raise ValueError(f"V schedules need at least 2 pipeline ranks (4 stages), got num_ranks={num_ranks!r}")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
+
+
+def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label: str) -> Order:
+    _check_sizes(num_ranks, num_microbatches)
+    costs = Costs.coerce(costs)
+    order = _search(num_ranks, num_microbatches, costs, float(cap))
+    if order is None:
+        smallest = smallest_feasible_peak(num_ranks, num_microbatches, costs)
+        reference = one_f_one_b_peak(num_ranks, num_microbatches)
+        raise ValueError(
+            f"{label}: no V order for d={num_ranks}, m={num_microbatches} fits in {cap:g} chunk units per rank; "
+            f"the smallest feasible peak is {smallest:g} chunk units, i.e. memory_limit >= "
+            f"{smallest / reference:.4f} of 1F1B's {reference} (raise the limit, or offload activations)"
+        )
+    return {rank: list(actions) for rank, actions in order.items()}
+
+
+_GREEDY_POLICIES = tuple(
+    GreedyPolicy(reserve, wait, chunk1_first)
+    for reserve in (0, 1, 2)
+    for wait in (False, True)
+    for chunk1_first in (True, False)
+)
+
+
+@lru_cache(maxsize=64)
+def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
+    """Best order within ``cap``: blocks and greedy orders, squeezed, the best few compacted."""
+    scored = []  # (makespan, must_compact, name, order)
+    for cand in _candidates(num_ranks):
+        order = cand.block.repeat(num_microbatches)
+        result = simulate(order, costs)
+        if result.peak <= cap + 1e-9:
+            canonical = cand.name in ("V-Min", "V-Half")
+            scored.append((result.makespan, not canonical, cand.name, order))
+    for policy in _GREEDY_POLICIES:
+        order = greedy_v_order(num_ranks, num_microbatches, costs, cap, policy)
+        if order is not None:
+            scored.append((simulate(order, costs).makespan, True, repr(policy), order))
+    if not scored:
+        return None
+    # The canonical patterns are always compacted: their gaps are where compaction shines.
+    chosen = [s for s in scored if not s[1]]
+    chosen += sorted((s for s in scored if s[1]), key=lambda s: (s[0], s[2]))[:_COMPACTED_CANDIDATES]
+    best = None
+    caps = dict.fromkeys(range(num_ranks), cap)
+    for _, _, _, order in chosen:
+        compacted = compact(order, costs, memory_cap=caps)
+        makespan = simulate(compacted, costs).makespan
+        if best is None or makespan < best[0] - 1e-9:
+            best = (makespan, compacted)
+    return best[1]
+
+
+@lru_cache(maxsize=64)
+def smallest_feasible_peak(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> float:
+    """Lowest per-rank peak (chunk units) any candidate V order reaches for this d and m."""
+    costs = Costs.coerce(costs)
+    return min(
+        simulate(c.block.repeat(num_microbatches), costs).peak for c in _candidates(num_ranks)
+    )
+
+
+@lru_cache(maxsize=32)
+def _candidates(num_ranks: int) -> tuple[_Candidate, ...]:
+    """The offset space: canonical V-Min/V-Half plus two-segment down-offset patterns."""
+    d = num_ranks
+    found: dict[tuple, _Candidate] = {}
+
+    def add(name: str, block: VBlock) -> None:
+        key = tuple(tuple(sorted(s.items())) for s in block.slots)
+        found.setdefault(key, _Candidate(name, block))
+
+    x_min = 2 if d % 3 == 0 else 0
+    add("V-Min", v_block(d, down=[1] * (d - 1), backward_delay=1 + x_min, turn_f=1, turn_b=1))
+    x_half = 3 if d % 2 == 0 else 0
+    add("V-Half", v_block(d, down=[2] * (d - 1), backward_delay=1 + x_half, turn_f=1, turn_b=2))
+    step = max(1, (d - 1) // 8)
+    for a in range(1, _MAX_DOWN_OFFSET + 1):
+        for b in range(1, _MAX_DOWN_OFFSET + 1):
+            splits = [d - 1] if a == b else range(1, d - 1, step)
+            for k in splits:
+                down = [a] * k + [b] * (d - 1 - k)
+                for block in _collision_free_blocks(d, down):
+                    add(f"down={a}x{k},{b}", block)
+    return tuple(found.values())
+
+
+def _collision_free_blocks(d: int, down: list[int]) -> Iterable[VBlock]:
+    """Blocks for these down offsets whose F/f/I/i take distinct slots mod the period on every rank.
+
+    Distinct residues mean a rank's stable phase has no two passes competing for one slot. For each
+    turn gap, the smallest backward delay that achieves it (longer delays only lengthen lifespans).
+    """
+    for turn_b in (1, 2, 3):
+        for delay in range(1, PERIOD + 1):
+            block = v_block(d, down=down, backward_delay=delay, turn_f=1, turn_b=turn_b)
+            if all(_distinct_residues(slots) for slots in block.slots):
+                yield block
+                break
+
+
+def _distinct_residues(slots: dict) -> bool:
+    residues = [slot % PERIOD for (chunk, kind), slot in slots.items() if kind != "W"]
+    return len(set(residues)) == len(residues)
