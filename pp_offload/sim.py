@@ -89,7 +89,9 @@ class OrderDeadlockError(ValueError):
     """Raised when no rank can make progress: a dependency is missing or ordered after its user."""
 
 
-def simulate(order: Mapping[int, Iterable[Any]], costs: Costs | Mapping[str, float] | None = None) -> SimResult:
+def simulate(
+    order: Mapping[int, Iterable[Any]], costs: Costs | Mapping[str, float] | None = None
+) -> SimResult:
     """Replay ``order`` (rank -> actions) with ``costs`` and measure time and memory.
 
     Raises `OrderDeadlockError` naming the stuck actions if the order can't complete.
@@ -133,9 +135,7 @@ def simulate(order: Mapping[int, Iterable[Any]], costs: Costs | Mapping[str, flo
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {
-                r: "".join(map(str, passes[r][pos[r]])) for r in ranks if pos[r] < len(passes[r])
-            }
+            stuck = {r: "".join(map(str, passes[r][pos[r]])) for r in ranks if pos[r] < len(passes[r])}
             raise OrderDeadlockError(
                 f"order cannot complete: each rank's next action waits on a pass that never runs "
                 f"before it (rank -> blocked action: {stuck}); stage -> rank: {rank_of_stage}"

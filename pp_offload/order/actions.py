@@ -66,7 +66,9 @@ class Costs:
         if isinstance(costs, Costs):
             return costs
         if not isinstance(costs, Mapping):
-            raise TypeError(f"costs must be a mapping like {{'F': 1, 'I': 1, 'W': 1, 'comm': 0}}, got {costs!r}")
+            raise TypeError(
+                f"costs must be a mapping like {{'F': 1, 'I': 1, 'W': 1, 'comm': 0}}, got {costs!r}"
+            )
         unknown = set(costs) - {"F", "I", "W", "comm"}
         if unknown:
             raise ValueError(f"unknown cost keys {sorted(unknown)}; allowed keys are 'F', 'I', 'W', 'comm'")

@@ -107,11 +107,24 @@ def _fill_once(
         rank, head_start = pick
         filler = None
         if promote_input_grads and queues[rank][head[rank]].computation_type == W:
-            filler = _find_ready_input_grad(rank, queues[rank], done[rank], head[rank], lookahead,
-                                            ready_time, clock[rank])
+            filler = _find_ready_input_grad(
+                rank, queues[rank], done[rank], head[rank], lookahead, ready_time, clock[rank]
+            )
         if filler is None and head_start > clock[rank] + _EPS:
-            filler = _find_filler(rank, head_start, queues[rank], done[rank], head[rank], lookahead,
-                                  ready_time, clock[rank], live[rank], caps[rank], costs, scale)
+            filler = _find_filler(
+                rank,
+                head_start,
+                queues[rank],
+                done[rank],
+                head[rank],
+                lookahead,
+                ready_time,
+                clock[rank],
+                live[rank],
+                caps[rank],
+                costs,
+                scale,
+            )
         if filler is not None:
             commit(rank, *filler)
         else:

@@ -1,17 +1,19 @@
-"""Greedy V orders under a memory cap, driven by the real costs (the zero-bubble way of building V-ZB).
+"""Greedy V orders under a memory cap, driven by costs (the zero-bubble way of building V-ZB).
 
 A discrete-event simulation: the rank with the earliest free time decides what to run next from the
-passes that are ready then. Processing ranks in time order makes every such decision exact (every pass
-that could have become ready by then has already been placed). The policy:
+passes that are ready then. Processing ranks in time order makes every decision exact: any pass that
+could have become ready by then has already been placed. The policy, in priority order:
 
-1. an input-gradient pass (I), which other ranks wait on;
-2. else a forward, if the rank stays within its memory cap (keeping ``reserve`` chunk units free for
-   chunk-1 forwards, which lead to the loss, so chunk-0 forwards cannot fill memory and stall the V);
-3. else a weight-gradient pass (W), which only frees memory and fills what would be a bubble; with
-   ``wait_for_input_grad`` a W is skipped when an I will be ready before the W could end;
+0. with ``eager_w``, a W right after its I (a strict F-I-W rhythm that skewed costs cannot disturb);
+1. an input-gradient pass (I), which other ranks wait on; with ``alternate``, a forward goes first
+   when the rank's last pass was a backward (the 1F1B rhythm that keeps the V fed);
+2. a forward, if the rank stays within its memory cap (keeping ``reserve`` chunk units free for chunk-1
+   forwards, which lead to the loss, so chunk-0 forwards cannot fill memory and stall the V);
+3. a weight-gradient pass (W), which only frees memory and fills what would be a bubble; with
+   ``wait_for_input_grad`` it is skipped when an I will be ready before the W could end;
 4. else wait for the next pass to become ready.
 
-A few policy variants are tried by `pp_offload.order.vshape`; the simulator picks the best.
+`pp_offload.order.vshape` tries the policy variants; the simulator picks the best.
 """
 
 from __future__ import annotations
@@ -29,111 +31,127 @@ class GreedyPolicy:
     reserve: int = 1
     wait_for_input_grad: bool = False
     chunk1_first: bool = True
+    eager_w: bool = False
+    alternate: bool = False
 
 
 def greedy_v_order(
     num_ranks: int, num_microbatches: int, costs: Costs, memory_cap: float, policy: GreedyPolicy
 ) -> Order | None:
     """A V order built greedily under ``memory_cap`` chunk units per rank, or None if it stalls."""
-    d, m = num_ranks, num_microbatches
-    num_stages = 2 * d
-    stages = [v_stages(r, d) for r in range(d)]
-    next_f = [[0, 0] for _ in range(d)]  # next microbatch to forward, per chunk
-    next_i = [[0, 0] for _ in range(d)]
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(d)]  # (chunk, mb) in I order
-    clock = [0.0] * d
-    live = [0] * d
-    end: dict[tuple[int, str, int], tuple[float, int]] = {}
-    order: Order = {r: [] for r in range(d)}
-    remaining = 6 * d * m
+    return _Greedy(num_ranks, num_microbatches, costs, memory_cap, policy).run()
 
-    def ready_at(rank: int, stage: int, kind: str, mb: int) -> float | None:
-        dep = dependency(stage, kind, mb, num_stages)
+
+class _Greedy:
+    def __init__(self, d: int, m: int, costs: Costs, cap: float, policy: GreedyPolicy) -> None:
+        self.d, self.m, self.costs, self.cap, self.policy = d, m, costs, cap, policy
+        self.stages = [v_stages(r, d) for r in range(d)]
+        self.next_f = [[0, 0] for _ in range(d)]  # next microbatch to forward, per chunk
+        self.next_i = [[0, 0] for _ in range(d)]
+        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(d)]  # (chunk, mb), I order
+        self.clock = [0.0] * d
+        self.live = [0] * d
+        self.end: dict[tuple[int, str, int], tuple[float, int]] = {}
+        self.order: Order = {r: [] for r in range(d)}
+        self.chunk_order = (1, 0) if policy.chunk1_first else (0, 1)
+
+    def run(self) -> Order | None:
+        remaining = 6 * self.d * self.m
+        waiting: set[int] = set()  # ranks with nothing to do until another rank places a pass
+        while remaining:
+            active = [r for r in range(self.d) if len(self.order[r]) < 6 * self.m and r not in waiting]
+            if not active:
+                return None  # stalled: the memory cap is too tight for this policy
+            rank = min(active, key=lambda r: (self.clock[r], r))
+            choice, next_ready = self._decide(rank)
+            if choice is None:
+                now = self.clock[rank]
+                later = [self.clock[r] for r in active if self.clock[r] > now + _EPS]
+                known = [t for t in (next_ready, min(later, default=None)) if t is not None]
+                if known:
+                    self.clock[rank] = min(known)
+                else:
+                    waiting.add(rank)
+                continue
+            waiting.clear()
+            self._place(rank, *choice)
+            remaining -= 1
+        return self.order
+
+    def _ready_at(self, rank: int, chunk: int, kind: str, mb: int) -> float | None:
+        dep = dependency(self.stages[rank][chunk], kind, mb, 2 * self.d)
         if dep is None:
             return 0.0
-        if dep not in end:
+        if dep not in self.end:
             return None
-        finish, producer = end[dep]
-        return finish + (costs.comm if producer != rank else 0.0)
+        finish, producer = self.end[dep]
+        return finish + (self.costs.comm if producer != rank else 0.0)
 
-    def run(rank: int, chunk: int, kind: str, mb: int, start: float) -> None:
-        stage = stages[rank][chunk]
-        finish = start + costs.of(kind)
-        end[(stage, kind, mb)] = (finish, rank)
-        clock[rank] = finish
-        order[rank].append(Action(stage, kind, mb))
+    def _decide(self, rank: int) -> tuple[tuple[int, str, int] | None, float | None]:
+        """The pass ``rank`` runs now, and the earliest known time a not-yet-ready pass becomes ready."""
+        now = self.clock[rank]
+        future: list[float] = []
 
-    chunk_order = (1, 0) if policy.chunk1_first else (0, 1)
-    waiting: set[int] = set()  # ranks with nothing to do until another rank places a pass
-    while remaining:
-        active = [r for r in range(d) if len(order[r]) < 6 * m and r not in waiting]
-        if not active:
-            return None  # stalled: memory cap too tight for this policy
-        rank = min(active, key=lambda r: (clock[r], r))
-        now = clock[rank]
-        choice = None
-        earliest_future = None
-
-        def consider(chunk: int, kind: str, mb: int) -> float | None:
-            nonlocal earliest_future
-            ready = ready_at(rank, stages[rank][chunk], kind, mb)
+        def ready_now(chunk: int, kind: str, mb: int) -> bool:
+            ready = self._ready_at(rank, chunk, kind, mb)
             if ready is not None and ready > now + _EPS:
-                earliest_future = ready if earliest_future is None else min(earliest_future, ready)
-            return ready
+                future.append(ready)
+            return ready is not None and ready <= now + _EPS
 
-        # 1. input-gradient passes, the oldest first
-        ready_inputs = []
-        for chunk in (0, 1):
-            mb = next_i[rank][chunk]
-            if mb < m and mb < next_f[rank][chunk]:
-                ready = consider(chunk, I, mb)
-                if ready is not None and ready <= now + _EPS:
-                    ready_inputs.append((mb, -chunk, chunk))
-        if ready_inputs:
-            _, _, chunk = min(ready_inputs)
-            choice = (chunk, I, next_i[rank][chunk])
-        # 2. forwards within the memory cap
-        if choice is None:
-            for chunk in chunk_order:
-                mb = next_f[rank][chunk]
-                if mb >= m:
-                    continue
-                room = memory_cap - (policy.reserve if chunk == 0 else 0)
-                if live[rank] + 1 > room + _EPS:
-                    continue
-                ready = consider(chunk, F, mb)
-                if ready is not None and ready <= now + _EPS:
-                    choice = (chunk, F, mb)
-                    break
-        # 3. weight-gradient passes fill the rest
-        if choice is None and pending_w[rank]:
+        history = self.order[rank]
+        if self.policy.eager_w and history and history[-1].computation_type == I:
+            chunk, mb = self.pending_w[rank][-1]
+            return (chunk, W, mb), None
+
+        def input_grad():
+            ready = [
+                (self.next_i[rank][c], -c, c)
+                for c in (0, 1)
+                if self.next_i[rank][c] < self.next_f[rank][c] and ready_now(c, I, self.next_i[rank][c])
+            ]
+            if not ready:
+                return None
+            _, _, chunk = min(ready)
+            return chunk, I, self.next_i[rank][chunk]
+
+        def forward():
+            for chunk in self.chunk_order:
+                mb = self.next_f[rank][chunk]
+                room = self.cap - (self.policy.reserve if chunk == 0 else 0)
+                if mb < self.m and self.live[rank] + 1 <= room + _EPS and ready_now(chunk, F, mb):
+                    return chunk, F, mb
+            return None
+
+        after_backward = bool(history) and history[-1].computation_type != F
+        pickers = (forward, input_grad) if self.policy.alternate and after_backward else (input_grad, forward)
+        for picker in pickers:
+            choice = picker()
+            if choice is not None:
+                return choice, None
+        next_ready = min(future, default=None)
+        if self.pending_w[rank]:
             waits = (
-                policy.wait_for_input_grad
-                and earliest_future is not None
-                and earliest_future < now + costs.W - _EPS
+                self.policy.wait_for_input_grad
+                and next_ready is not None
+                and next_ready < now + self.costs.W - _EPS
             )
             if not waits:
-                chunk, mb = pending_w[rank][0]
-                choice = (chunk, W, mb)
-        if choice is None:
-            later = [clock[r] for r in active if clock[r] > now + _EPS]
-            candidates = [t for t in (earliest_future, min(later) if later else None) if t is not None]
-            if candidates:
-                clock[rank] = min(candidates)
-            else:
-                waiting.add(rank)
-            continue
-        waiting.clear()
-        chunk, kind, mb = choice
-        run(rank, chunk, kind, mb, now)
-        remaining -= 1
+                chunk, mb = self.pending_w[rank][0]
+                return (chunk, W, mb), None
+        return None, next_ready
+
+    def _place(self, rank: int, chunk: int, kind: str, mb: int) -> None:
+        stage = self.stages[rank][chunk]
+        start = self.clock[rank]
+        self.clock[rank] = start + self.costs.of(kind)
+        self.end[(stage, kind, mb)] = (self.clock[rank], rank)
+        self.order[rank].append(Action(stage, kind, mb))
         if kind == F:
-            next_f[rank][chunk] += 1
-            live[rank] += 1
+            self.next_f[rank][chunk] += 1
+            self.live[rank] += 1
         elif kind == I:
-            next_i[rank][chunk] += 1
-            pending_w[rank].append((chunk, mb))
+            self.next_i[rank][chunk] += 1
+            self.pending_w[rank].append((chunk, mb))
         else:
-            pending_w[rank].pop(0)
-            live[rank] -= 1
-    return order
+            self.pending_w[rank].remove((chunk, mb))
+            self.live[rank] -= 1

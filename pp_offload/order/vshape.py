@@ -29,7 +29,7 @@ from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
 from pp_offload.sim import simulate
 
 _MAX_DOWN_OFFSET = 4
-_COMPACTED_CANDIDATES = 3
+_COMPACTED_CANDIDATES = 5
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -89,7 +89,9 @@ def adaptive_v_order(
 
 def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2:
-        raise ValueError(f"V schedules need at least 2 pipeline ranks (4 stages), got num_ranks={num_ranks!r}")
+        raise ValueError(
+            f"V schedules need at least 2 pipeline ranks (4 stages), got num_ranks={num_ranks!r}"
+        )
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
 
@@ -102,7 +104,8 @@ def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label:
         smallest = smallest_feasible_peak(num_ranks, num_microbatches, costs)
         reference = one_f_one_b_peak(num_ranks, num_microbatches)
         raise ValueError(
-            f"{label}: no V order for d={num_ranks}, m={num_microbatches} fits in {cap:g} chunk units per rank; "
+            f"{label}: no V order for d={num_ranks}, m={num_microbatches} fits in {cap:g} chunk units "
+            f"per rank; "
             f"the smallest feasible peak is {smallest:g} chunk units, i.e. memory_limit >= "
             f"{smallest / reference:.4f} of 1F1B's {reference} (raise the limit, or offload activations)"
         )
@@ -110,10 +113,12 @@ def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label:
 
 
 _GREEDY_POLICIES = tuple(
-    GreedyPolicy(reserve, wait, chunk1_first)
-    for reserve in (0, 1, 2)
+    GreedyPolicy(reserve, wait, chunk1_first, eager_w, alternate)
+    for reserve in (0, 1)
     for wait in (False, True)
     for chunk1_first in (True, False)
+    for eager_w in (False, True)
+    for alternate in (False, True)
 )
 
 
@@ -127,10 +132,13 @@ def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> 
         if result.peak <= cap + 1e-9:
             canonical = cand.name in ("V-Min", "V-Half")
             scored.append((result.makespan, not canonical, cand.name, order))
-    for policy in _GREEDY_POLICIES:
-        order = greedy_v_order(num_ranks, num_microbatches, costs, cap, policy)
-        if order is not None:
-            scored.append((simulate(order, costs).makespan, True, repr(policy), order))
+    # Greedy decisions taken with skewed durations can build a worse structure than the same greedy
+    # run with unit costs, so both cost models generate candidates; the real costs always judge them.
+    for shape_costs in dict.fromkeys((costs, Costs(comm=costs.comm))):
+        for policy in _GREEDY_POLICIES:
+            order = greedy_v_order(num_ranks, num_microbatches, shape_costs, cap, policy)
+            if order is not None:
+                scored.append((simulate(order, costs).makespan, True, repr(policy), order))
     if not scored:
         return None
     # The canonical patterns are always compacted: their gaps are where compaction shines.
@@ -150,9 +158,7 @@ def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> 
 def smallest_feasible_peak(num_ranks: int, num_microbatches: int, costs: Costs | None = None) -> float:
     """Lowest per-rank peak (chunk units) any candidate V order reaches for this d and m."""
     costs = Costs.coerce(costs)
-    return min(
-        simulate(c.block.repeat(num_microbatches), costs).peak for c in _candidates(num_ranks)
-    )
+    return min(simulate(c.block.repeat(num_microbatches), costs).peak for c in _candidates(num_ranks))
 
 
 @lru_cache(maxsize=32)
