@@ -36,7 +36,7 @@ class GreedyPolicy:
 
 
 def greedy_v_order(
-    num_ranks: int, num_microbatches: int, costs: Costs, memory_cap: float, policy: GreedyPolicy
+    num_ranks: int, num_microbatches: int, *, costs: Costs, memory_cap: float, policy: GreedyPolicy
 ) -> Order | None:
     """A V order built greedily under ``memory_cap`` chunk units per rank, or None if it stalls."""
     return _Greedy(num_ranks, num_microbatches, costs, memory_cap, policy).run()

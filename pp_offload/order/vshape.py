@@ -18,9 +18,9 @@ Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
@@ -30,6 +30,7 @@ from pp_offload.sim import simulate
 
 _MAX_DOWN_OFFSET = 4
 _COMPACTED_CANDIDATES = 5
+_SHORTLIST = 10
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -122,31 +123,68 @@ _GREEDY_POLICIES = tuple(
 )
 
 
-@lru_cache(maxsize=64)
-def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
-    """Best order within ``cap``: blocks and greedy orders, squeezed, the best few compacted."""
-    scored = []  # (makespan, must_compact, name, order)
-    for cand in _candidates(num_ranks):
-        order = cand.block.repeat(num_microbatches)
-        result = simulate(order, costs)
-        if result.peak <= cap + 1e-9:
-            canonical = cand.name in ("V-Min", "V-Half")
-            scored.append((result.makespan, not canonical, cand.name, order))
+@dataclass(frozen=True)
+class _Generator:
+    """One candidate: a name and how to build its order for any number of microbatches."""
+
+    name: str
+    canonical: bool
+    build: Callable[[int], Order | None]
+
+
+def _generators(num_ranks: int, costs: Costs, cap: float) -> list[_Generator]:
+    gens = [
+        _Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in _candidates(num_ranks)
+    ]
     # Greedy decisions taken with skewed durations can build a worse structure than the same greedy
     # run with unit costs, so both cost models generate candidates; the real costs always judge them.
     for shape_costs in dict.fromkeys((costs, Costs(comm=costs.comm))):
         for policy in _GREEDY_POLICIES:
-            order = greedy_v_order(num_ranks, num_microbatches, shape_costs, cap, policy)
-            if order is not None:
-                scored.append((simulate(order, costs).makespan, True, repr(policy), order))
-    if not scored:
+            gens.append(
+                _Generator(
+                    f"greedy{policy}@{shape_costs}",
+                    False,
+                    partial(greedy_v_order, num_ranks, costs=shape_costs, memory_cap=cap, policy=policy),
+                )
+            )
+    return gens
+
+
+@lru_cache(maxsize=64)
+def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
+    """Best order within ``cap``.
+
+    Two stages keep large d and m fast: every candidate is ranked on a short horizon (``3d``
+    microbatches hold a full steady phase), then the best few and the canonical patterns are built for
+    all ``m`` microbatches, checked against the cap again, squeezed and compacted.
+    """
+    horizon = min(num_microbatches, 3 * num_ranks)
+    ranked = []
+    for gen in _generators(num_ranks, costs, cap):
+        order = gen.build(horizon)
+        if order is None:
+            continue
+        result = simulate(order, costs)
+        if result.peak <= cap + 1e-9:
+            ranked.append((not gen.canonical, result.makespan, gen.name, gen))
+    ranked.sort(key=lambda item: item[:3])
+    shortlist = [g for c, _, _, g in ranked if not c] + [g for c, _, _, g in ranked if c][:_SHORTLIST]
+    full = []
+    for gen in shortlist:
+        order = gen.build(num_microbatches)
+        if order is None:
+            continue
+        result = simulate(order, costs)
+        if result.peak <= cap + 1e-9:
+            full.append((not gen.canonical, result.makespan, gen.name, order))
+    if not full:
         return None
+    full.sort(key=lambda item: item[:3])
     # The canonical patterns are always compacted: their gaps are where compaction shines.
-    chosen = [s for s in scored if not s[1]]
-    chosen += sorted((s for s in scored if s[1]), key=lambda s: (s[0], s[2]))[:_COMPACTED_CANDIDATES]
+    chosen = [o for c, _, _, o in full if not c] + [o for c, _, _, o in full if c][:_COMPACTED_CANDIDATES]
     best = None
     caps = dict.fromkeys(range(num_ranks), cap)
-    for _, _, _, order in chosen:
+    for order in chosen:
         compacted = compact(order, costs, memory_cap=caps)
         makespan = simulate(compacted, costs).makespan
         if best is None or makespan < best[0] - 1e-9:

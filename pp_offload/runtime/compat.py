@@ -1,0 +1,216 @@
+"""The one place that touches torch.distributed.pipelining's private names.
+
+torch's multi-stage runtime (`_PipelineScheduleRuntime`), its action type (`_Action`,
+`_ComputationType`) and its custom-action hook (`_comp_type_to_function_map`) are private and drift
+between releases (we support torch 2.11 to 2.14). Everything else in pp_offload goes through the small
+functions here, so a torch upgrade is a one-file change. Version differences are detected by looking at
+what the installed torch has (signatures, attributes), never by parsing its version string.
+
+Known drift handled here:
+- ``defer_pp_recv`` (a keyword of the runtime's constructor) is newer than torch 2.11.
+- ``loss_kwargs`` (``step(..., loss_kwargs=...)``, ``_maybe_compute_loss(..., loss_kwargs)``) is newer
+  than torch 2.11.
+- ``_check_torch_compile_compatibility`` (refuses split I/W backward on compiled stages) may be absent.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+)
+
+from pp_offload.order.actions import Action
+
+__all__ = [
+    "ActionContext",
+    "RuntimeBase",
+    "TorchAction",
+    "action_kind",
+    "check_compile_compatibility",
+    "install_action_handler",
+    "is_runtime_schedule",
+    "lowered_order",
+    "make_action",
+    "runtime_init_kwargs",
+    "schedule_stages",
+    "supports_defer_pp_recv",
+    "supports_loss_kwargs",
+    "to_torch_action",
+    "to_torch_order",
+    "wrap_step_microbatches",
+]
+
+RuntimeBase = _PipelineScheduleRuntime
+"""Base class of every pp_offload schedule: torch's runtime that executes a lowered per-rank order."""
+
+TorchAction = _Action
+"""torch's action tuple: (stage_index, computation_type, microbatch_index, sub_actions)."""
+
+ActionContext = _PipelineContext
+"""What a custom action handler receives next to the action: ``schedule_ref``, ``arg_mbs``,
+``kwarg_mbs``, ``target_mbs``, ``losses``."""
+
+
+# --- feature detection ----------------------------------------------------------------------------
+
+
+def supports_defer_pp_recv() -> bool:
+    """Whether torch's runtime accepts ``defer_pp_recv`` (not in torch 2.11)."""
+    ctor = getattr(_schedules, "ScheduleInterleaved1F1B", None)
+    if ctor is None:
+        return False
+    return "defer_pp_recv" in inspect.signature(ctor.__init__).parameters
+
+
+def supports_loss_kwargs() -> bool:
+    """Whether ``schedule.step(..., loss_kwargs=...)`` exists (not in torch 2.11)."""
+    return "loss_kwargs" in inspect.signature(_PipelineScheduleRuntime.step).parameters
+
+
+def runtime_init_kwargs(*, defer_pp_recv: bool = False) -> dict[str, Any]:
+    """Keyword arguments for ``RuntimeBase.__init__`` that only some torch versions know.
+
+    ``defer_pp_recv=False`` is the torch default and is simply not passed where it does not exist;
+    asking for ``True`` on such a torch is an error rather than a silent no-op.
+    """
+    if supports_defer_pp_recv():
+        return {"defer_pp_recv": bool(defer_pp_recv)}
+    if defer_pp_recv:
+        raise ValueError(
+            "defer_pp_recv=True needs a torch whose pipelining runtime supports it (newer than 2.11); "
+            "upgrade torch or pass defer_pp_recv=False"
+        )
+    return {}
+
+
+def check_compile_compatibility(stages: Iterable[Any], schedule_name: str) -> None:
+    """Refuse torch.compile'd stages where torch itself refuses them for split I/W backward."""
+    check = getattr(_schedules, "_check_torch_compile_compatibility", None)
+    if check is not None:
+        check(list(stages), schedule_name)
+
+
+# --- actions ----------------------------------------------------------------------------------------
+
+
+class ActionKind(str):
+    """A computation type torch does not know (e.g. ``OFFLOAD``, ``RELOAD``).
+
+    torch's ``_ComputationType`` is a closed Enum, but ``_Action`` only needs its ``computation_type`` to be
+    hashable and to have a ``.value`` (used when printing, e.g. ``3OFFLOAD1``), and the runtime looks every
+    action's type up in ``_comp_type_to_function_map`` before its built-ins. A ``str`` with ``.value`` is
+    enough; such actions must be inserted after lowering (torch's lowering passes only know its own kinds).
+    """
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"ActionKind({str(self)!r})"
+
+
+_EXTRA_KINDS: dict[str, ActionKind] = {}
+
+
+def action_kind(name: str) -> _ComputationType | ActionKind:
+    """The computation type for ``name``: torch's own member if torch knows it, else an `ActionKind`.
+
+    The same object is returned for the same name, so it can key handler maps and compare with ``is``.
+    """
+    try:
+        return _ComputationType(name)
+    except ValueError:
+        pass
+    if not name.isidentifier() or not name.isupper():
+        raise ValueError(f"action kind names are upper-case identifiers like 'OFFLOAD', got {name!r}")
+    return _EXTRA_KINDS.setdefault(name, ActionKind(name))
+
+
+def make_action(stage_index: int, kind: str, microbatch_index: int | None = None) -> _Action:
+    """A torch action of any kind, e.g. ``make_action(3, "OFFLOAD", 1)`` prints as ``3OFFLOAD1``."""
+    return _Action(int(stage_index), action_kind(kind), microbatch_index)
+
+
+def to_torch_action(action: Action) -> _Action:
+    """Our plain `Action` (``2F0``) -> torch's ``_Action`` (same fields, same printout)."""
+    return _Action(
+        int(action.stage_index),
+        _ComputationType(action.computation_type),
+        int(action.microbatch_index),
+    )
+
+
+def to_torch_order(order: Mapping[int, Iterable[Action]]) -> dict[int, list[_Action | None]]:
+    """A whole order (rank -> actions) converted for ``_prepare_schedule_with_comms``."""
+    return {int(rank): [to_torch_action(a) for a in actions] for rank, actions in order.items()}
+
+
+# --- runtime hooks ----------------------------------------------------------------------------------
+
+ActionHandler = Callable[[_Action, _PipelineContext], None]
+
+
+def install_action_handler(schedule: _PipelineScheduleRuntime, kind: str, handler: ActionHandler) -> None:
+    """Run ``handler(action, ctx)`` for every action of ``kind`` this schedule executes.
+
+    Works for torch's kinds (replacing torch's built-in handling of that kind entirely) and for new kinds
+    made with `action_kind`/`make_action`. torch's public ``register_custom_function`` refuses kinds it
+    does not know, hence the direct write into ``_comp_type_to_function_map``.
+    """
+    if not is_runtime_schedule(schedule):
+        raise TypeError(
+            f"custom actions need a _PipelineScheduleRuntime schedule, got {type(schedule).__name__}"
+        )
+    schedule._comp_type_to_function_map[action_kind(kind)] = handler
+
+
+def is_runtime_schedule(obj: Any) -> bool:
+    return isinstance(obj, _PipelineScheduleRuntime)
+
+
+def lowered_order(schedule: _PipelineScheduleRuntime) -> dict[int, list[_Action]]:
+    """rank -> the actions (compute and comms) the runtime executes, as produced by lowering."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if order is None:
+        raise ValueError(f"{type(schedule).__name__} has no lowered order; call _prepare_schedule_with_comms")
+    return order
+
+
+def schedule_stages(schedule: _PipelineScheduleRuntime) -> list[Any]:
+    """The stages this rank's schedule drives."""
+    return list(schedule._stages)
+
+
+def wrap_step_microbatches(schedule: Any, wrapper: Callable[..., Any]) -> Callable[[], None]:
+    """Route ``schedule._step_microbatches(*a, **k)`` through ``wrapper(original, *a, **k)``.
+
+    ``step()`` calls ``self._step_microbatches`` once per step on every torch we support, so this is the
+    narrowest place to run code around one step of one schedule instance. Returns an undo function
+    (undo in reverse order of wrapping when several wrappers are stacked).
+    """
+    had_own = "_step_microbatches" in vars(schedule)
+    previous = schedule._step_microbatches
+
+    def step_microbatches(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(previous, *args, **kwargs)
+
+    schedule._step_microbatches = step_microbatches
+
+    def undo() -> None:
+        if had_own:
+            schedule._step_microbatches = previous
+        else:
+            vars(schedule).pop("_step_microbatches", None)
+
+    return undo
