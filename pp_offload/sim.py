@@ -106,6 +106,8 @@ def simulate(
     scale = 2.0 * len(ranks) / num_stages  # chunks per stage
     rank_of_stage = {s: r for r in ranks for s, _, _ in passes[r]}
 
+    deps = {r: [dependency(s, k, j, num_stages) for s, k, j in passes[r]] for r in ranks}
+    duration = {kind: costs.of(kind) * scale for kind in _COMPUTE}
     end: dict[tuple[int, str, int], float] = {}
     producer_rank: dict[tuple[int, str, int], int] = {}
     timeline: dict[int, list] = {r: [] for r in ranks}
@@ -118,14 +120,14 @@ def simulate(
             seq = passes[r]
             while pos[r] < len(seq):
                 stage, kind, mb = seq[pos[r]]
-                dep = dependency(stage, kind, mb, num_stages)
+                dep = deps[r][pos[r]]
                 ready = 0.0
                 if dep is not None:
                     if dep not in end:
                         break
                     ready = end[dep] + (costs.comm if producer_rank[dep] != r else 0.0)
                 start = max(clock[r], ready)
-                finish = start + costs.of(kind) * scale
+                finish = start + duration[kind]
                 key = (stage, I if kind == B else kind, mb)
                 end[key] = finish
                 producer_rank[key] = r

@@ -57,12 +57,14 @@ class _Greedy:
 
     def run(self) -> Order | None:
         remaining = 6 * self.d * self.m
+        unfinished = set(range(self.d))
         waiting: set[int] = set()  # ranks with nothing to do until another rank places a pass
         while remaining:
-            active = [r for r in range(self.d) if len(self.order[r]) < 6 * self.m and r not in waiting]
+            active = unfinished - waiting
             if not active:
                 return None  # stalled: the memory cap is too tight for this policy
-            rank = min(active, key=lambda r: (self.clock[r], r))
+            clock = self.clock
+            rank = min(active, key=lambda r: (clock[r], r))
             choice, next_ready = self._decide(rank)
             if choice is None:
                 now = self.clock[rank]
@@ -76,6 +78,8 @@ class _Greedy:
             waiting.clear()
             self._place(rank, *choice)
             remaining -= 1
+            if len(self.order[rank]) == 6 * self.m:
+                unfinished.discard(rank)
         return self.order
 
     def _ready_at(self, rank: int, chunk: int, kind: str, mb: int) -> float | None:

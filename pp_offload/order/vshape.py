@@ -30,7 +30,7 @@ from pp_offload.sim import simulate
 
 _MAX_DOWN_OFFSET = 4
 _COMPACTED_CANDIDATES = 5
-_SHORTLIST = 10
+_FINALISTS = 2
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -113,13 +113,20 @@ def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label:
     return {rank: list(actions) for rank, actions in order.items()}
 
 
+# Greedy variants worth trying; pruned by a census of which variants ever won on a grid of d, m, costs
+# and caps (chunk-0-first forwards and unit-cost shaping rarely win, so only their winners stay).
 _GREEDY_POLICIES = tuple(
-    GreedyPolicy(reserve, wait, chunk1_first, eager_w, alternate)
+    GreedyPolicy(reserve, wait, True, eager_w, alternate)
     for reserve in (0, 1)
     for wait in (False, True)
-    for chunk1_first in (True, False)
     for eager_w in (False, True)
     for alternate in (False, True)
+) + (GreedyPolicy(1, False, False, False, False),)
+_UNIT_SHAPED_POLICIES = (
+    GreedyPolicy(0, False, True, False, False),
+    GreedyPolicy(0, False, True, False, True),
+    GreedyPolicy(1, False, True, False, False),
+    GreedyPolicy(1, False, False, False, False),
 )
 
 
@@ -138,15 +145,18 @@ def _generators(num_ranks: int, costs: Costs, cap: float) -> list[_Generator]:
     ]
     # Greedy decisions taken with skewed durations can build a worse structure than the same greedy
     # run with unit costs, so both cost models generate candidates; the real costs always judge them.
-    for shape_costs in dict.fromkeys((costs, Costs(comm=costs.comm))):
-        for policy in _GREEDY_POLICIES:
-            gens.append(
-                _Generator(
-                    f"greedy{policy}@{shape_costs}",
-                    False,
-                    partial(greedy_v_order, num_ranks, costs=shape_costs, memory_cap=cap, policy=policy),
-                )
-            )
+    unit = Costs(comm=costs.comm)
+    shaped = [(costs, p) for p in _GREEDY_POLICIES]
+    if unit != costs:
+        shaped += [(unit, p) for p in _UNIT_SHAPED_POLICIES]
+    gens += [
+        _Generator(
+            f"greedy{policy}@{shape_costs}",
+            False,
+            partial(greedy_v_order, num_ranks, costs=shape_costs, memory_cap=cap, policy=policy),
+        )
+        for shape_costs, policy in shaped
+    ]
     return gens
 
 
@@ -154,10 +164,12 @@ def _generators(num_ranks: int, costs: Costs, cap: float) -> list[_Generator]:
 def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
     """Best order within ``cap``.
 
-    Two stages keep large d and m fast: every candidate is ranked on a short horizon (``3d``
-    microbatches hold a full steady phase), then the best few and the canonical patterns are built for
-    all ``m`` microbatches, checked against the cap again, squeezed and compacted.
+    Staged so that large d and m stay fast. Every candidate is squeezed on a short horizon (``3d``
+    microbatches hold a full steady phase); the canonical patterns and the best few are compacted on that
+    horizon (compaction reshapes warm-up and cool-down, which a longer run only pushes apart); the best
+    ``_FINALISTS`` are then built for all ``m`` microbatches, checked against the cap, and compacted.
     """
+    caps = dict.fromkeys(range(num_ranks), cap)
     horizon = min(num_microbatches, 3 * num_ranks)
     ranked = []
     for gen in _generators(num_ranks, costs, cap):
@@ -166,30 +178,27 @@ def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> 
             continue
         result = simulate(order, costs)
         if result.peak <= cap + 1e-9:
-            ranked.append((not gen.canonical, result.makespan, gen.name, gen))
+            ranked.append((not gen.canonical, result.makespan, gen.name, gen, order))
     ranked.sort(key=lambda item: item[:3])
-    shortlist = [g for c, _, _, g in ranked if not c] + [g for c, _, _, g in ranked if c][:_SHORTLIST]
-    full = []
-    for gen in shortlist:
-        order = gen.build(num_microbatches)
-        if order is None:
-            continue
-        result = simulate(order, costs)
-        if result.peak <= cap + 1e-9:
-            full.append((not gen.canonical, result.makespan, gen.name, order))
-    if not full:
-        return None
-    full.sort(key=lambda item: item[:3])
     # The canonical patterns are always compacted: their gaps are where compaction shines.
-    chosen = [o for c, _, _, o in full if not c] + [o for c, _, _, o in full if c][:_COMPACTED_CANDIDATES]
+    shortlist = [r for r in ranked if not r[0]] + [r for r in ranked if r[0]][:_COMPACTED_CANDIDATES]
+    scored = []
+    for _, _, name, gen, order in shortlist:
+        compacted = compact(order, costs, memory_cap=caps)
+        scored.append((simulate(compacted, costs).makespan, name, gen, compacted))
+    scored.sort(key=lambda item: item[:2])
+    if horizon == num_microbatches:
+        return scored[0][3] if scored else None
     best = None
-    caps = dict.fromkeys(range(num_ranks), cap)
-    for order in chosen:
+    for _, _, gen, _ in scored[:_FINALISTS]:
+        order = gen.build(num_microbatches)
+        if order is None or simulate(order, costs).peak > cap + 1e-9:
+            continue
         compacted = compact(order, costs, memory_cap=caps)
         makespan = simulate(compacted, costs).makespan
         if best is None or makespan < best[0] - 1e-9:
             best = (makespan, compacted)
-    return best[1]
+    return None if best is None else best[1]
 
 
 @lru_cache(maxsize=64)
