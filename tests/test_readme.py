@@ -1,0 +1,55 @@
+"""The README's examples run as written (the quickstart under torchrun with 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def _block(marker: str) -> str:
+    blocks = [b for b in _python_blocks() if marker in b]
+    assert len(blocks) == 1, f"expected one README python block containing {marker!r}"
+    return blocks[0]
+
+
+def test_orders_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    exec(compile(_block("adaptive_v_order(8, 32"), "README-orders", "exec"), {})
+    out = capsys.readouterr().out
+    assert re.search(r"bubble \d+\.\d%, peak \d+ chunk units", out), out
+
+
+def test_quickstart_runs_under_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "quickstart.py"
+    script.write_text(_block("torchrun --nproc-per-node 2"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        str(script),
+    ]  # port 0 hangs torchrun's rendezvous
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"loss \d+\.\d{4}", proc.stdout), proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
