@@ -25,7 +25,7 @@ from pp_offload.order import v_stages
 HIDDEN = 8
 ROWS_PER_MICROBATCH = 2
 MICROBATCHES = {2: 4, 3: 5}  # d=3 runs fewer microbatches than 2d, a partial steady phase
-ADAPTIVE_LIMITS = {2: (1.0,), 3: (1.0, 0.7)}  # below 1.0 is infeasible at d=2 (V-Min already needs 2d)
+ADAPTIVE_LIMITS = {2: (1.0, 0.5), 3: (1.0, 0.7)}  # 0.5 at d=2: the 2-chunk floor (1 / min(d, m))
 
 
 def _configs(d: int) -> list[tuple[str, type, dict]]:

@@ -1,0 +1,47 @@
+"""Command line: ``python -m pp_offload <command>`` or ``pp-offload <command>``.
+
+Commands:
+  demo    train a small model with six pipeline schedules on CPU and compare them (`pp_offload.demo`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pp_offload import __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    from pp_offload import demo
+
+    parser = argparse.ArgumentParser(
+        prog="pp-offload",
+        description="Memory-efficient pipeline parallelism on torch.distributed.pipelining.",
+    )
+    parser.add_argument("--version", action="version", version=f"pp-offload {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo_parser = commands.add_parser(
+        "demo",
+        help="train a small model with six pipeline schedules on CPU and compare them (~1 minute)",
+        description=demo.DESCRIPTION,
+        epilog=demo.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=demo.run_from_args)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
