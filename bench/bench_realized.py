@@ -8,7 +8,7 @@ For each pipeline size d (processes), microbatch count m and F:I:W cost ratio, e
 warm-up steps and then timed steps (median). The prediction replays the schedule object's own
 ``pipeline_order`` through `pp_offload.sim.simulate`, so torch's schedules and ours take the same path.
 Two predictions are printed: ``pred`` reads the order literally; ``pred*`` reads it as torch executes it,
-where stage 0 skips I and runs its whole backward at W (`pp_offload.emulate.torch_stage0_order`).
+where stage 0 skips I and runs its whole backward at W (`pp_offload.sim.as_executed_by_torch`).
 
     python bench/bench_realized.py                       # d = 2 and 4, m = 2d and 4d, costs 1:1:1 and 3:4:2
     python bench/bench_realized.py --ranks 2 --costs 3:4:2 --schedules ScheduleVHalf ScheduleZBVZeroBubble
@@ -131,9 +131,9 @@ def _run_config(
     import torch
     import torch.distributed as dist
 
-    from pp_offload.emulate import PassCosts, build_stages, time_schedule, torch_stage0_order
+    from pp_offload.emulate import PassCosts, build_stages, time_schedule
     from pp_offload.order import Costs
-    from pp_offload.sim import simulate
+    from pp_offload.sim import as_executed_by_torch, simulate
 
     wall_start = time.perf_counter()
     module, placement, extra = SCHEDULES[config.schedule]
@@ -170,7 +170,7 @@ def _run_config(
     order = _executed_order(schedule)
     sim_costs = Costs(F=f_ms, I=i_ms, W=w_ms, comm=comm_s * 1e3)
     predicted = simulate(order, sim_costs)
-    predicted_torch0 = simulate(torch_stage0_order(order), sim_costs)
+    predicted_torch0 = simulate(as_executed_by_torch(order), sim_costs)
     predicted_nocomm = simulate(order, Costs(F=f_ms, I=i_ms, W=w_ms))
     realized_ms = timing.makespan * 1e3
     return {

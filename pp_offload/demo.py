@@ -351,10 +351,9 @@ def _analyse(
     config: DemoConfig, record: dict[str, Any], reference: list[float], costs: Any
 ) -> dict[str, Any]:
     """Compare one schedule's run with the reference, and with the simulator at the measured ``costs``."""
-    from pp_offload.emulate import torch_stage0_order
     from pp_offload.order import Action
     from pp_offload.order.vshape import one_f_one_b_peak
-    from pp_offload.sim import simulate
+    from pp_offload.sim import as_executed_by_torch, simulate
 
     order = {int(r): [Action(*a) for a in acts] for r, acts in record["order"].items()}
     losses = [s["loss"] for s in record["steps"]]
@@ -363,7 +362,7 @@ def _analyse(
         math.isclose(a, b, rel_tol=_REL_TOL, abs_tol=_ABS_TOL) for a, b in zip(losses, reference, strict=True)
     )
     nominal = simulate(order)
-    executed = torch_stage0_order(order)  # torch runs stage 0's whole backward at its W
+    executed = as_executed_by_torch(order)  # torch runs stage 0's whole backward at its W
     predicted = simulate(executed, costs)
     timed = record["steps"][1:] or record["steps"]  # step 1 also infers shapes and sets up p2p
     ref_peak = one_f_one_b_peak(config.ranks, config.num_microbatches)

@@ -28,17 +28,16 @@ layers is needed by its earlier layers' weight grads), provided that work is in 
 pipeline input does not require grad, so a naive emulated stage 0 would have no input branch to run and
 would come out at W only. The first stage therefore scales its input by an ``embed`` parameter
 (``h = x * embed``), which puts the input branch on the path to a parameter: its full backward costs
-I + W, like a real first stage. ``torch_stage0_order`` rewrites an order the same way torch executes it
-(stage 0's I dropped, its W turned into a B) so the simulator can predict either reading.
+I + W, like a real first stage. ``pp_offload.sim.as_executed_by_torch`` rewrites an order the way torch
+executes it (stage 0's I dropped, its W turned into a B) so the simulator can predict either reading.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
@@ -55,7 +54,6 @@ __all__ = [
     "sleep_until",
     "stage_indices",
     "time_schedule",
-    "torch_stage0_order",
 ]
 
 # time.sleep overshoots by ~0.1-0.2 ms (timer slack, wake-up latency): sleep until this close to the
@@ -246,35 +244,6 @@ def emulated_modules(stages: Sequence[Any]) -> list[EmulatedStage]:
     for st in stages:
         root = getattr(st, "submod", st)
         out.extend(m for m in root.modules() if isinstance(m, EmulatedStage))
-    return out
-
-
-def torch_stage0_order(order: Mapping[int, Sequence[Any]]) -> dict[int, list[Any]]:
-    """``order`` as torch executes it: stage 0's I actions dropped and its W actions turned into B.
-
-    torch skips stage 0's input-grad pass under split backward and runs a full backward at its W
-    (module docstring). Works on torch ``_Action`` (sub-actions of OVERLAP_F_B included) and on
-    ``pp_offload.order.Action``.
-    """
-
-    def convert(action):
-        if action is None:
-            return None
-        subs = getattr(action, "sub_actions", None)
-        if subs:
-            new_subs = tuple(a for a in (convert(s) for s in subs) if a is not None)
-            return action._replace(sub_actions=new_subs)
-        kind = str(getattr(action.computation_type, "value", action.computation_type))
-        if action.stage_index != 0 or kind not in ("I", "W"):
-            return action
-        if kind == "I":
-            return None
-        ctype = action.computation_type
-        return action._replace(computation_type=type(ctype)("B") if isinstance(ctype, Enum) else "B")
-
-    out: dict[int, list[Any]] = {}
-    for rank, actions in order.items():
-        out[rank] = [c for c in (convert(a) for a in actions) if c is not None]
     return out
 
 

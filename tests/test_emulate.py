@@ -7,15 +7,18 @@ import time
 
 import pytest
 import torch
-from torch.distributed.pipelining._backward import (
+
+from pp_offload.emulate import EmulatedStage, PassCosts, sleep_until
+from pp_offload.order import Action
+from pp_offload.runtime.compat import (
+    TorchAction,
+    action_kind,
+    make_action,
     stage_backward,
     stage_backward_input,
     stage_backward_weight,
 )
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
-
-from pp_offload.emulate import EmulatedStage, PassCosts, sleep_until, torch_stage0_order
-from pp_offload.order import Action
+from pp_offload.sim import as_executed_by_torch
 
 COSTS = PassCosts(F=0.010, I=0.015, W=0.010)
 HIDDEN, BATCH = 8, 4
@@ -131,17 +134,15 @@ def test_first_stage_full_backward_runs_both_branches():
     _best_of(3, run)
 
 
-def test_torch_stage0_order_moves_stage0_input_grad_into_w():
-    F, I, W, B = (_ComputationType.from_str(k) for k in "FIWB")
+def test_as_executed_by_torch_moves_stage0_input_grad_into_w():
+    a = make_action
+    overlap = TorchAction(-1, action_kind("OVERLAP_F_B"), None, (a(0, "F", 1), a(0, "I", 1)))
     order = {
-        0: [_Action(0, F, 0), None, _Action(1, I, 0), _Action(0, I, 0), _Action(0, W, 0), _Action(1, W, 0)],
-        1: [
-            _Action(1, F, 0),
-            _Action(-1, _ComputationType.OVERLAP_F_B, None, (_Action(0, F, 1), _Action(0, I, 1))),
-        ],
+        0: [a(0, "F", 0), None, a(1, "I", 0), a(0, "I", 0), a(0, "W", 0), a(1, "W", 0)],
+        1: [a(1, "F", 0), overlap],
     }
-    out = torch_stage0_order(order)
-    assert [str(a) for a in out[0]] == ["0F0", "1I0", "0B0", "1W0"]
-    assert out[1][1].sub_actions == (_Action(0, F, 1),)
-    ours = torch_stage0_order({0: [Action(0, "I", 2), Action(0, "W", 2), Action(2, "I", 2)]})
+    out = as_executed_by_torch(order)
+    assert [str(x) for x in out[0]] == ["0F0", "1I0", "0B0", "1W0"]
+    assert out[1][1].sub_actions == (a(0, "F", 1),)
+    ours = as_executed_by_torch({0: [Action(0, "I", 2), Action(0, "W", 2), Action(2, "I", 2)]})
     assert ours[0] == [Action(0, "B", 2), Action(2, "I", 2)]

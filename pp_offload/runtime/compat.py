@@ -20,6 +20,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining._backward import (  # noqa: F401  (re-exported for tests and tools)
+    stage_backward,
+    stage_backward_input,
+    stage_backward_weight,
+)
 from torch.distributed.pipelining.schedules import (
     _Action,
     _ComputationType,
@@ -37,10 +42,15 @@ __all__ = [
     "check_compile_compatibility",
     "install_action_handler",
     "is_runtime_schedule",
+    "lower_order_offline",
     "lowered_order",
     "make_action",
     "runtime_init_kwargs",
+    "schedule_ops",
     "schedule_stages",
+    "stage_backward",
+    "stage_backward_input",
+    "stage_backward_weight",
     "supports_defer_pp_recv",
     "supports_loss_kwargs",
     "to_torch_action",
@@ -214,3 +224,49 @@ def wrap_step_microbatches(schedule: Any, wrapper: Callable[..., Any]) -> Callab
             vars(schedule).pop("_step_microbatches", None)
 
     return undo
+
+
+# --- offline inspection (no processes) ---------------------------------------------------------------
+
+
+def schedule_ops(
+    schedule: Any,
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int | None = None,
+    *,
+    with_comms: bool = False,
+) -> list[list[_Action | None]]:
+    """rank -> actions of any schedule (torch's name like ``"ZBVZeroBubble"``, or a class), built with
+    mock stages by torch's private ``_schedule_visualizer.get_schedule_ops``: orders without processes."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    return get_schedule_ops(schedule, num_ranks, num_microbatches, stages_per_rank, with_comms=with_comms)
+
+
+def lower_order_offline(
+    order: Mapping[int, Iterable[Action | _Action]], num_microbatches: int
+) -> dict[int, list[_Action]]:
+    """Lower a compute-only order (ours or torch's) with torch's own ``_prepare_schedule_with_comms``.
+
+    Uses mock stages, like ``get_schedule_ops(..., with_comms=True)``, so any generator's raw order can be
+    checked by torch's validation and SEND/RECV insertion without building a schedule class or processes.
+    Stage placement is inferred from the order; raises whatever torch raises on an invalid order.
+    """
+    from unittest import mock
+
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    torch_order = {
+        int(rank): [a if isinstance(a, _Action) else to_torch_action(a) for a in actions]
+        for rank, actions in order.items()
+    }
+    num_ranks = len(torch_order)
+    num_stages = 1 + max(a.stage_index for acts in torch_order.values() for a in acts if a is not None)
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod = 0, num_ranks, None
+    stage.num_stages = num_stages
+    stages = [stage] * max(2, num_stages // num_ranks)
+    runtime = _PipelineScheduleRuntime(stages, int(num_microbatches))
+    runtime._prepare_schedule_with_comms(torch_order)
+    return runtime.pipeline_order_with_comms
