@@ -133,21 +133,28 @@ def _fill_once(
     return result
 
 
-def _find_filler(rank, head_start, queue, done, head, lookahead, ready_time, now, live, cap, costs, scale):
-    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap."""
-    blocked: set[tuple[int, str]] = {(queue[head].stage_index, queue[head].computation_type)}
+def _window(queue, done, first, lookahead, blocked):
+    """Not-yet-run passes from ``first`` on, at most ``lookahead`` of them, each the earliest of its
+    (stage, kind) lane: a pass may overtake others, but never one of its own lane (microbatch order)."""
     seen = 0
-    for idx in range(head + 1, len(queue)):
+    for idx in range(first, len(queue)):
         if done[idx]:
             continue
         seen += 1
         if seen > lookahead:
-            break
+            return
         action = queue[idx]
         lane = (action.stage_index, action.computation_type)
         if lane in blocked:
-            continue  # keep microbatch order within a (stage, kind)
+            continue
         blocked.add(lane)
+        yield idx, action
+
+
+def _find_filler(rank, head_start, queue, done, head, lookahead, ready_time, now, live, cap, costs, scale):
+    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap."""
+    blocked = {(queue[head].stage_index, queue[head].computation_type)}
+    for idx, action in _window(queue, done, head + 1, lookahead, blocked):
         ready = ready_time(rank, action)
         if ready is None:
             continue
@@ -162,19 +169,7 @@ def _find_filler(rank, head_start, queue, done, head, lookahead, ready_time, now
 
 def _find_ready_input_grad(rank, queue, done, head, lookahead, ready_time, now):
     """First I/B after the head that can start right now, keeping per-lane microbatch order."""
-    blocked: set[tuple[int, str]] = set()
-    seen = 0
-    for idx in range(head, len(queue)):
-        if done[idx]:
-            continue
-        seen += 1
-        if seen > lookahead:
-            break
-        action = queue[idx]
-        lane = (action.stage_index, action.computation_type)
-        if lane in blocked:
-            continue
-        blocked.add(lane)
+    for idx, action in _window(queue, done, head, lookahead, set()):
         if action.computation_type in (I, B):
             ready = ready_time(rank, action)
             if ready is not None and ready <= now + _EPS:
