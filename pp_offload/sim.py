@@ -14,6 +14,15 @@ Model (the papers'):
   compared on the same model.
 - Activation memory of a (stage, microbatch) is held from the start of its F until the end of its W
   (or B): torch keeps saved tensors until W because both I and W unpack them.
+
+Offload (PipeOffload): an order may also hold ``OFFLOAD``/``RELOAD`` actions per (stage, microbatch). They
+are *issued* when the rank's compute stream reaches them (the end of the compute pass before them) but
+run on copy lanes beside it, one per direction (``copy_lanes="duplex"``) or one for both
+(``"shared"``), first come first served, each taking ``costs.transfer`` (per chunk, scaled like the
+passes). OFFLOAD frees the chunk's device memory when its copy ends; RELOAD starts once its OFFLOAD has
+ended, takes device memory back when it starts, and the chunk's I/B/W cannot start before it ends (the
+wait is reported per rank in ``reload_wait`` and lengthens the makespan). Memory curves and peaks are
+then the *device-resident* activation memory.
 """
 
 from __future__ import annotations
@@ -23,9 +32,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from pp_offload.order.actions import B, Costs, F, I, W
+from pp_offload.order.actions import OFFLOAD, RELOAD, B, Costs, F, I, W
 
 _COMPUTE = (F, I, W, B)
+_TRANSFER = (OFFLOAD, RELOAD)
+_COPY_LANES = ("duplex", "shared")
 
 
 def _kind(action: Any) -> str:
@@ -39,17 +50,27 @@ def flatten(actions: Iterable[Any]) -> list[tuple[int, str, int]]:
     ``None`` slots and non-compute actions (SEND/RECV/UNSHARD/...) are skipped; torch's OVERLAP_F_B
     runs its sub-actions one after the other, as torch's runtime does.
     """
+    return _flatten(actions, None)
+
+
+def _flatten(actions: Iterable[Any], transfers: list | None) -> list[tuple[int, str, int]]:
+    """`flatten`, also collecting OFFLOAD/RELOAD actions into ``transfers`` (when given) as
+    ``(number of compute passes before it, action, kind, stage, microbatch)``."""
     passes: list[tuple[int, str, int]] = []
     for action in actions:
         if action is None:
             continue
         subs = getattr(action, "sub_actions", None)
         if subs:
-            passes.extend(flatten(subs))
+            passes.extend(_flatten(subs, None))
             continue
         kind = _kind(action)
         if kind in _COMPUTE:
             passes.append((int(action.stage_index), kind, int(action.microbatch_index)))
+        elif transfers is not None and kind in _TRANSFER:
+            transfers.append(
+                (len(passes), action, kind, int(action.stage_index), int(action.microbatch_index))
+            )
     return passes
 
 
@@ -74,6 +95,15 @@ class SimResult:
     peak_memory: dict[int, float]
     timeline: dict[int, list[tuple[tuple[int, str, int], float, float]]]
     memory_curve: dict[int, list[tuple[float, float]]] = field(repr=False)
+    transfers: dict[int, list[tuple[Any, float, float]]] = field(default_factory=dict, repr=False)
+    """rank -> (OFFLOAD/RELOAD action, copy start, copy end), in issue order; empty without offload."""
+    reload_wait: dict[int, float] = field(default_factory=dict)
+    """rank -> time its compute stream waited for reloads that ended after the pass could have started."""
+
+    @property
+    def total_reload_wait(self) -> float:
+        """Time all ranks together waited for reloads (0 when every reload was early enough)."""
+        return sum(self.reload_wait.values())
 
     @property
     def bubble(self) -> float:
@@ -90,16 +120,30 @@ class OrderDeadlockError(ValueError):
     """Raised when no rank can make progress: a dependency is missing or ordered after its user."""
 
 
+class OffloadOrderError(ValueError):
+    """Raised when OFFLOAD/RELOAD actions are misplaced: a backward pass would need activations that
+    are in host memory, a RELOAD has no OFFLOAD before it, an OFFLOAD comes before its F..."""
+
+
 def simulate(
-    order: Mapping[int, Iterable[Any]], costs: Costs | Mapping[str, float] | None = None
+    order: Mapping[int, Iterable[Any]],
+    costs: Costs | Mapping[str, float] | None = None,
+    *,
+    copy_lanes: str = "duplex",
 ) -> SimResult:
     """Replay ``order`` (rank -> actions) with ``costs`` and measure time and memory.
 
-    Raises `OrderDeadlockError` naming the stuck actions if the order can't complete.
+    ``copy_lanes`` matters only for orders with OFFLOAD/RELOAD actions: ``"duplex"`` gives every rank
+    one copy lane per direction (device->host and host->device run at the same time), ``"shared"``
+    one lane for both. Raises `OrderDeadlockError` naming the stuck actions if the order can't
+    complete, and `OffloadOrderError` naming the chunk if OFFLOAD/RELOAD actions are misplaced.
     """
+    if copy_lanes not in _COPY_LANES:
+        raise ValueError(f"copy_lanes must be 'duplex' or 'shared', got {copy_lanes!r}")
     costs = Costs.coerce(costs)
     ranks = sorted(order)
-    passes = {r: flatten(order[r]) for r in ranks}
+    found: dict[int, list] = {r: [] for r in ranks}
+    passes = {r: _flatten(order[r], found[r]) for r in ranks}
     all_passes = [p for r in ranks for p in passes[r]]
     if not all_passes:
         raise ValueError("order has no compute actions")
@@ -109,6 +153,10 @@ def simulate(
 
     deps = {r: [dependency(s, k, j, num_stages) for s, k, j in passes[r]] for r in ranks}
     duration = {kind: costs.of(kind) * scale for kind in _COMPUTE}
+    if any(found.values()):
+        return _simulate_with_transfers(
+            ranks, passes, found, deps, duration, costs, scale, rank_of_stage, copy_lanes
+        )
     end: dict[tuple[int, str, int], float] = {}
     producer_rank: dict[tuple[int, str, int], int] = {}
     timeline: dict[int, list] = {r: [] for r in ranks}
@@ -138,30 +186,176 @@ def simulate(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {r: "".join(map(str, passes[r][pos[r]])) for r in ranks if pos[r] < len(passes[r])}
-            raise OrderDeadlockError(
-                f"order cannot complete: each rank's next action waits on a pass that never runs "
-                f"before it (rank -> blocked action: {stuck}); stage -> rank: {rank_of_stage}"
-            )
+            _raise_deadlock(passes, pos, rank_of_stage)
 
     busy = {r: sum(e - s for _, s, e in timeline[r]) for r in ranks}
     curves, peaks = {}, {}
     for r in ranks:
-        events = []
-        for (_, kind, _), start, finish in timeline[r]:
-            if kind == F:
-                events.append((start, scale))
-            elif kind in (W, B):
-                events.append((finish, -scale))
-        events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant
-        level, peak, curve = 0.0, 0.0, [(0.0, 0.0)]
-        for t, delta in events:
-            level += delta
-            peak = max(peak, level)
-            curve.append((t, level))
-        curves[r], peaks[r] = curve, peak
+        curves[r], peaks[r] = _memory(timeline[r], scale, [])
     makespan = max(clock.values())
-    return SimResult(makespan, busy, peaks, timeline, curves)
+    return SimResult(makespan, busy, peaks, timeline, curves, {r: [] for r in ranks}, {r: 0.0 for r in ranks})
+
+
+def _raise_deadlock(passes, pos, rank_of_stage) -> None:
+    stuck = {r: "".join(map(str, seq[pos[r]])) for r, seq in passes.items() if pos[r] < len(seq)}
+    raise OrderDeadlockError(
+        f"order cannot complete: each rank's next action waits on a pass that never runs "
+        f"before it (rank -> blocked action: {stuck}); stage -> rank: {rank_of_stage}"
+    )
+
+
+def _memory(timeline, scale: float, extra: list[tuple[float, float]]):
+    """A rank's (curve, peak): F start +scale, W/B end -scale, plus ``extra`` (time, delta) events."""
+    events = list(extra)
+    for (_, kind, _), start, finish in timeline:
+        if kind == F:
+            events.append((start, scale))
+        elif kind in (W, B):
+            events.append((finish, -scale))
+    events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations at the same instant
+    level, peak, curve = 0.0, 0.0, [(0.0, 0.0)]
+    for t, delta in events:
+        level += delta
+        peak = max(peak, level)
+        curve.append((t, level))
+    return curve, peak
+
+
+def _check_transfers(rank: int, passes, transfers) -> None:
+    """Walk one rank's actions in order and check every chunk's device/host state.
+
+    A chunk is on the device from its F; OFFLOAD moves it to the host, RELOAD back; I, B and W need it
+    on the device, and W (or B) frees it. Any other sequence is an `OffloadOrderError` naming the chunk.
+    """
+    state: dict[tuple[int, int], str] = {}
+    t = 0
+    for index in range(len(passes) + 1):
+        while t < len(transfers) and transfers[t][0] == index:
+            _, action, kind, stage, mb = transfers[t]
+            t += 1
+            now = state.get((stage, mb))
+            where = f"rank {rank}: {action}"
+            if kind == OFFLOAD:
+                if now is None:
+                    raise OffloadOrderError(
+                        f"{where} comes before {stage}F{mb} on this rank: a chunk can be offloaded only "
+                        f"after its forward ran on the rank that holds stage {stage}"
+                    )
+                if now == "host":
+                    raise OffloadOrderError(
+                        f"{where}: stage {stage}, microbatch {mb} is already offloaded; "
+                        f"insert {stage}RELOAD{mb} between the two OFFLOADs or drop one"
+                    )
+                if now == "freed":
+                    raise OffloadOrderError(
+                        f"{where} comes after the last backward of stage {stage}, microbatch {mb}, "
+                        f"which already freed its activations; move it between {stage}F{mb} and the backward"
+                    )
+                state[(stage, mb)] = "host"
+            else:
+                if now != "host":
+                    raise OffloadOrderError(
+                        f"{where}: stage {stage}, microbatch {mb} is not offloaded at this point "
+                        f"(no {stage}OFFLOAD{mb} before it); a RELOAD must follow its chunk's OFFLOAD"
+                    )
+                state[(stage, mb)] = "device"
+        if index == len(passes):
+            break
+        stage, kind, mb = passes[index]
+        key = (stage, mb)
+        if kind == F:
+            state[key] = "device"
+        elif state.get(key) == "host":
+            raise OffloadOrderError(
+                f"rank {rank}: {stage}{kind}{mb} needs the activations of stage {stage}, microbatch {mb}, "
+                f"but they were offloaded ({stage}OFFLOAD{mb}) and no {stage}RELOAD{mb} comes before "
+                f"{stage}{kind}{mb}; insert the RELOAD before the chunk's first backward pass"
+            )
+        elif kind in (W, B):
+            state[key] = "freed"
+
+
+def _simulate_with_transfers(ranks, passes, found, deps, duration, costs, scale, rank_of_stage, lanes):
+    """`simulate`'s replay for orders with OFFLOAD/RELOAD: the same compute model plus copy lanes."""
+    for r in ranks:
+        _check_transfers(r, passes[r], found[r])
+    copy = costs.transfer * scale
+    end: dict[tuple[int, str, int], float] = {}
+    producer_rank: dict[tuple[int, str, int], int] = {}
+    timeline: dict[int, list] = {r: [] for r in ranks}
+    transfers: dict[int, list] = {r: [] for r in ranks}
+    wait = {r: 0.0 for r in ranks}
+    extra: dict[int, list[tuple[float, float]]] = {r: [] for r in ranks}
+    clock = {r: 0.0 for r in ranks}
+    pos = {r: 0 for r in ranks}
+    tpos = {r: 0 for r in ranks}
+    # lane[r] = [device->host free at, host->device free at]; a shared lane uses index 0 for both
+    lane = {r: [0.0, 0.0] for r in ranks}
+    h2d = 0 if lanes == "shared" else 1
+    offload_end: dict[tuple[int, int], float] = {}
+    reload_end: dict[tuple[int, int], float] = {}
+
+    def issue(r: int) -> None:
+        """Issue rank r's transfers that sit before its next compute pass, at its compute clock."""
+        todo, i, now, free = found[r], tpos[r], clock[r], lane[r]
+        while i < len(todo) and todo[i][0] == pos[r]:
+            _, action, kind, stage, mb = todo[i]
+            if kind == OFFLOAD:
+                start = max(now, free[0])
+                free[0] = finish = start + copy
+                offload_end[(stage, mb)] = finish
+                extra[r].append((finish, -scale))
+            else:
+                start = max(now, free[h2d], offload_end[(stage, mb)])
+                free[h2d] = finish = start + copy
+                reload_end[(stage, mb)] = finish
+                extra[r].append((start, scale))
+            transfers[r].append((action, start, finish))
+            i += 1
+        tpos[r] = i
+
+    remaining = sum(len(seq) for seq in passes.values())
+    while remaining:
+        progressed = False
+        for r in ranks:
+            seq = passes[r]
+            while pos[r] < len(seq):
+                issue(r)
+                stage, kind, mb = seq[pos[r]]
+                dep = deps[r][pos[r]]
+                ready = clock[r]
+                if dep is not None:
+                    if dep not in end:
+                        break
+                    ready = max(ready, end[dep] + (costs.comm if producer_rank[dep] != r else 0.0))
+                start = ready
+                if kind != F:
+                    reloaded = reload_end.get((stage, mb))
+                    if reloaded is not None and reloaded > ready:
+                        start = reloaded
+                        wait[r] += reloaded - ready
+                finish = start + duration[kind]
+                key = (stage, I if kind == B else kind, mb)
+                end[key] = finish
+                producer_rank[key] = r
+                timeline[r].append(((stage, kind, mb), start, finish))
+                clock[r] = finish
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+            if pos[r] == len(seq):
+                issue(r)  # transfers after the rank's last compute pass
+        if not progressed:
+            _raise_deadlock(passes, pos, rank_of_stage)
+    for r in ranks:
+        issue(r)
+
+    busy = {r: sum(e - s for _, s, e in timeline[r]) for r in ranks}
+    curves, peaks = {}, {}
+    for r in ranks:
+        curves[r], peaks[r] = _memory(timeline[r], scale, extra[r])
+    makespan = max(clock.values())
+    return SimResult(makespan, busy, peaks, timeline, curves, transfers, wait)
 
 
 def as_executed_by_torch(order: Mapping[int, Iterable[Any]]) -> dict[int, list[Any]]:

@@ -18,6 +18,9 @@ I = "I"  # backward w.r.t. the stage input (the papers call it B)
 W = "W"  # backward w.r.t. the weights
 B = "B"  # full backward (I + W in one pass)
 COMPUTE_KINDS = (F, I, W, B)
+OFFLOAD = "OFFLOAD"  # copy a chunk's saved activations device -> host, then free them on the device
+RELOAD = "RELOAD"  # copy them back host -> device before the chunk's backward
+TRANSFER_KINDS = (OFFLOAD, RELOAD)
 
 
 class Action(NamedTuple):
@@ -39,28 +42,36 @@ Order = dict[int, list[Action]]
 
 @dataclass(frozen=True)
 class Costs:
-    """Relative durations of one chunk's passes and of one point-to-point transfer.
+    """Relative durations of one chunk's passes, of one point-to-point transfer and of one host copy.
 
     A *chunk* is one V stage (half of a rank's layers). Only ratios matter; unit costs are the
     papers' default. ``comm`` is the latency added when a pass depends on a pass of another rank.
+    ``transfer`` is the time to copy one chunk's saved activations one way between device and host (one
+    OFFLOAD or one RELOAD); copies run on copy lanes beside the compute stream (see `pp_offload.sim`).
     """
 
     F: float = 1.0
     I: float = 1.0
     W: float = 1.0
     comm: float = 0.0
+    transfer: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("F", "I", "W"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"costs[{name!r}] must be > 0, got {value!r}")
-        if not self.comm >= 0:
-            raise ValueError(f"costs['comm'] must be >= 0, got {self.comm!r}")
+        for name in ("comm", "transfer"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"costs[{name!r}] must be >= 0, got {value!r}")
 
     @classmethod
     def coerce(cls, costs: Costs | Mapping[str, float] | None) -> Costs:
-        """Accept ``None`` (unit costs), a ``Costs`` or a mapping like ``{"F": 3, "I": 4, "W": 2}``."""
+        """Accept ``None`` (unit costs), a ``Costs`` or a mapping like ``{"F": 3, "I": 4, "W": 2}``.
+
+        Allowed keys: ``F``, ``I``, ``W``, ``comm``, ``transfer``; missing ones keep their defaults.
+        """
         if costs is None:
             return cls()
         if isinstance(costs, Costs):
@@ -69,9 +80,11 @@ class Costs:
             raise TypeError(
                 f"costs must be a mapping like {{'F': 1, 'I': 1, 'W': 1, 'comm': 0}}, got {costs!r}"
             )
-        unknown = set(costs) - {"F", "I", "W", "comm"}
+        unknown = set(costs) - {"F", "I", "W", "comm", "transfer"}
         if unknown:
-            raise ValueError(f"unknown cost keys {sorted(unknown)}; allowed keys are 'F', 'I', 'W', 'comm'")
+            raise ValueError(
+                f"unknown cost keys {sorted(unknown)}; allowed keys are 'F', 'I', 'W', 'comm', 'transfer'"
+            )
         return cls(**{k: float(v) for k, v in costs.items()})
 
     def of(self, kind: str) -> float:

@@ -31,6 +31,7 @@ from typing import Any
 from pp_offload.order import Costs, adaptive_v_order, v_half_order, v_min_order, v_zb_order
 from pp_offload.order.actions import Order, v_stages
 from pp_offload.runtime import compat
+from pp_offload.runtime.offload import enable_offload
 
 __all__ = ["ScheduleVAdaptive", "ScheduleVHalf", "ScheduleVMin", "ScheduleVZB"]
 
@@ -56,6 +57,7 @@ class _VSchedule(compat.RuntimeBase):
         *,
         costs: Costs | Mapping[str, float] | None = None,
         defer_pp_recv: bool = False,
+        offload: Any = None,
     ):
         """Arguments as for torch's multi-stage schedules (e.g. ``ScheduleZBVZeroBubble``), plus:
 
@@ -64,6 +66,9 @@ class _VSchedule(compat.RuntimeBase):
             pass ``False`` and normalise the loss by the global token count (see the module docstring).
         costs: relative F/I/W/comm durations the order is optimised for (``None``: unit costs).
         defer_pp_recv: post each receive just before the compute that needs it (newer torch only).
+        offload: move saved activations to host memory between each chunk's forward and backward:
+            ``"full"``, ``"selective"`` (or a fraction like ``0.5``), ``"auto"``, or ``None`` (default);
+            see `pp_offload.runtime.offload.enable_offload`.
         """
         name = type(self).__name__
         stages = list(stages)
@@ -97,6 +102,9 @@ class _VSchedule(compat.RuntimeBase):
         order = self._generate(self.pp_group_size, self._n_microbatches, self.costs)
         self.pipeline_order = compat.to_torch_order(order)
         self._prepare_schedule_with_comms(self.pipeline_order)
+        self.offload = None  # set by enable_offload: the plan and the activation store
+        if offload is not None:
+            enable_offload(self, offload, costs=self.costs)
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:
         return type(self)._generator(num_ranks, num_microbatches, costs)
@@ -182,6 +190,7 @@ class ScheduleVAdaptive(_VSchedule):
         memory_limit: float,
         costs: Costs | Mapping[str, float] | None = None,
         defer_pp_recv: bool = False,
+        offload: Any = None,
     ):
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real):
             raise ValueError(
@@ -205,6 +214,7 @@ class ScheduleVAdaptive(_VSchedule):
             backward_requires_autograd,
             costs=costs,
             defer_pp_recv=defer_pp_recv,
+            offload=offload,
         )
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:

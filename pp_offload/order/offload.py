@@ -1,0 +1,635 @@
+"""Activation offload planning (PipeOffload): which chunks go to host memory, and when they come back.
+
+Why this exists: even V-Min keeps several microbatches' activations on every rank, and the number grows
+with pipeline depth. Between a chunk's forward and its backward those activations are dead weight on the
+device; PipeOffload copies them to host memory right after the forward (OFFLOAD) and back shortly before
+the backward (RELOAD), on copy lanes that run beside compute. When the copies hide behind compute the
+device keeps only a few chunks whatever the depth; when they can't (slow host link, short chunks), a
+share of the chunks is offloaded, chosen to lower the peak most (the longest-lived first where that
+decides), which can cut the peak more than linearly in the offloaded share.
+
+This module is pure Python: it takes any compute order (ours or torch's ``pipeline_order``), simulates it
+with `pp_offload.sim.simulate`, and inserts ``OFFLOAD``/``RELOAD`` actions:
+
+- ``OFFLOAD(s, j)`` right after ``F(s, j)`` on its rank (the copy starts when the forward has ended);
+- ``RELOAD(s, j)`` before the chunk's first backward pass (``I`` or ``B``; stage 0's ``I`` included,
+  since both I and W unpack saved tensors and the reloaded copy must live until W), at the latest
+  position where the simulated reload still ends ``reload_margin`` backward passes (one, by default)
+  before that backward starts, and at least one compute pass before it when the chunk's window allows.
+  Positions are then checked by a replay with the copy lanes and moved earlier where a queued copy
+  would end too late.
+
+A transfer is *issued* where it sits: when the compute pass before it ends (see `pp_offload.sim`).
+
+Entry points: `resolve_offload` (parse the user's ``offload=`` argument into an `OffloadPolicy`) and
+`plan_offload` (policy + order + costs -> `OffloadPlan`). `transfer_compute_ratio`, `auto_offload` and
+`auto_from_measurements` give the ``auto`` mode its ratio ``k``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pp_offload.order.actions import OFFLOAD, RELOAD, Action, B, Costs, F, W
+from pp_offload.sim import SimResult, flatten, simulate
+
+__all__ = [
+    "OffloadPlan",
+    "OffloadPolicy",
+    "auto_from_measurements",
+    "auto_offload",
+    "plan_offload",
+    "resolve_offload",
+    "transfer_compute_ratio",
+]
+
+MODES = ("none", "full", "selective", "auto")
+LANES = ("duplex", "shared")
+CHOICES = ("peak", "lifespan")
+_DEFAULT_SELECTIVE_FRACTION = 0.5
+_REFINE_ROUNDS = 32
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Which chunks (one stage's activations of one microbatch) to offload, and how reloads are timed.
+
+    mode:
+        ``"none"`` keeps everything on the device; ``"full"`` offloads every chunk that gains from it;
+        ``"selective"`` offloads a share of each rank's chunks (see ``choose``); ``"auto"`` picks the
+        share from the transfer/compute ratio ``k`` (see `auto_offload`).
+    fraction:
+        selective (or resolved auto): share of each rank's chunks to offload, in [0, 1], rounded to the
+        nearest count. Selective without ``fraction`` or ``count`` means 0.5.
+    count:
+        selective: number of chunks per rank to offload, instead of a fraction.
+    choose:
+        how a partial share is picked. ``"peak"`` (default): the fewest chunks that bring the rank's
+        device-resident peak lowest (in the compute-only timeline; where several can cover a peak, the
+        one staying off the device longest, i.e. the longest-lived), then the longest-lived for the
+        rest of the share. ``"lifespan"``: the papers' plain rule, longest lifespans first (equal ones
+        spread evenly over time); it matches ``"peak"`` on a uniform repeating schedule but can leave
+        the peak untouched on compacted or interleaved orders, whose lifespans vary by a pass or two.
+    min_lifespan:
+        skip chunks whose lifespan (F start to W/B end, in cost units, as simulated) is shorter than
+        this: they would be back on the device almost as soon as they left it. ``None``: twice a round
+        trip, i.e. ``2 * (offload + reload)`` = ``4 * costs.transfer`` per chunk. Chunks whose window
+        from F end to their first backward can't hold an offload and a reload are always skipped.
+    reload_margin:
+        how early a RELOAD must end, in durations of the backward pass that needs it (the paper: one,
+        so a copy running a little slow does not stall compute; 0 = just in time). Ignored when
+        ``reload_lead`` is set.
+    reload_lead:
+        issue each RELOAD this many compute passes before the chunk's first backward (0 = right before
+        it). ``None``: the latest position whose reload, in the simulated timeline with the copy lanes,
+        ends ``reload_margin`` backward passes before that backward, and at least one pass before it
+        when the chunk's window allows.
+    lanes:
+        ``"duplex"``: one copy lane per direction (device->host and host->device at once, as two CUDA
+        copy streams on a full-duplex link); ``"shared"``: one lane for both directions.
+    k:
+        auto: the ratio ``k`` = (D2H + H2D time) / (F + I + W time) of one chunk the share was derived
+        from; ``None`` until resolved (`plan_offload` then derives it from ``costs``).
+    """
+
+    mode: str = "none"
+    fraction: float | None = None
+    count: int | None = None
+    choose: str = "peak"
+    min_lifespan: float | None = None
+    reload_margin: float = 1.0
+    reload_lead: int | None = None
+    lanes: str = "duplex"
+    k: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(
+                f"unknown offload mode {self.mode!r}; use one of {', '.join(map(repr, MODES))} "
+                f"(or 'selective:0.25', or a fraction like 0.25)"
+            )
+        if self.lanes not in LANES:
+            raise ValueError(
+                f"offload lanes must be 'duplex' (one copy lane per direction) or 'shared' (one lane), "
+                f"got {self.lanes!r}"
+            )
+        if self.choose not in CHOICES:
+            raise ValueError(
+                f"offload choose must be 'peak' (lower the peak first) or 'lifespan' (longest-lived "
+                f"first), got {self.choose!r}"
+            )
+        if self.fraction is not None:
+            if not _is_real(self.fraction) or not 0.0 <= self.fraction <= 1.0:
+                raise ValueError(
+                    f"offload fraction must be a number in [0, 1] (the share of each rank's chunks to "
+                    f"offload), got {self.fraction!r}; use 0 for none and 1 for all"
+                )
+            object.__setattr__(self, "fraction", float(self.fraction))
+        if self.count is not None and not _is_count(self.count):
+            raise ValueError(
+                f"offload count must be an integer >= 0 (chunks per rank to offload), got {self.count!r}"
+            )
+        if self.fraction is not None and self.count is not None:
+            raise ValueError(
+                f"give either an offload fraction or a count, not both (fraction={self.fraction}, "
+                f"count={self.count})"
+            )
+        if self.mode in ("none", "full") and (self.fraction is not None or self.count is not None):
+            raise ValueError(
+                f"offload mode {self.mode!r} takes no fraction or count (got fraction={self.fraction}, "
+                f"count={self.count}); use mode='selective' to offload a share of the chunks"
+            )
+        if self.mode == "selective" and self.fraction is None and self.count is None:
+            object.__setattr__(self, "fraction", _DEFAULT_SELECTIVE_FRACTION)
+        if self.k is not None:
+            if self.mode != "auto":
+                raise ValueError(f"k (the transfer/compute ratio) belongs to mode='auto', not {self.mode!r}")
+            if not _is_real(self.k) or not self.k >= 0 or math.isinf(self.k):
+                raise ValueError(f"the transfer/compute ratio k must be a finite number >= 0, got {self.k!r}")
+        if self.mode == "auto":
+            if self.count is not None:
+                raise ValueError(
+                    "offload mode 'auto' derives the share from k; use mode='selective' to give a count"
+                )
+            if (self.fraction is None) != (self.k is None):
+                raise ValueError(
+                    "offload mode 'auto' derives the fraction from k: give neither (k then comes from the "
+                    "costs) or build it with auto_offload(k); use mode='selective' for a fixed fraction"
+                )
+        if self.min_lifespan is not None and (not _is_real(self.min_lifespan) or not self.min_lifespan >= 0):
+            raise ValueError(f"min_lifespan must be a number >= 0 (cost units), got {self.min_lifespan!r}")
+        if not _is_real(self.reload_margin) or not 0 <= self.reload_margin < math.inf:
+            raise ValueError(
+                f"reload_margin must be a number >= 0 (backward passes between a reload's end and the "
+                f"backward that needs it), got {self.reload_margin!r}"
+            )
+        if self.reload_lead is not None and not _is_count(self.reload_lead):
+            raise ValueError(
+                f"reload_lead must be an integer >= 0 (compute passes between a RELOAD and the backward "
+                f"that needs it) or None to place it from the timeline, got {self.reload_lead!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this policy may offload anything at all."""
+        if self.mode == "none":
+            return False
+        if self.count is not None:
+            return self.count > 0
+        return self.fraction is None or self.fraction > 0
+
+    def resolved(self, costs: Costs | Mapping[str, float] | None = None) -> OffloadPolicy:
+        """This policy with ``auto`` turned into a share, from ``k`` derived from ``costs`` when unset.
+
+        From costs, ``k = 2 * transfer / (F + I + W)``: a chunk's two copies over its compute (unit
+        costs with ``transfer=0.5`` give k = 1/3).
+        """
+        if self.mode != "auto" or self.k is not None:
+            return self
+        c = Costs.coerce(costs)
+        return auto_offload(2.0 * c.transfer / (c.F + c.I + c.W), **_tuning(self))
+
+
+@dataclass
+class OffloadPlan:
+    """An order with OFFLOAD/RELOAD inserted, and what was chosen.
+
+    order: rank -> actions (`pp_offload.order.Action`, compute passes in the input's order, torch
+    actions converted, ``None`` slots and OVERLAP_F_B wrappers flattened) with ``OFFLOAD``/``RELOAD``.
+    offloaded: rank -> (stage, microbatch) chunks offloaded, in the order they were chosen.
+    policy: the policy used (auto resolved, with its ``k``).
+    sim: the replay of ``order`` with the planning costs and the policy's lanes.
+    """
+
+    order: dict[int, list[Action]]
+    offloaded: dict[int, list[tuple[int, int]]]
+    policy: OffloadPolicy
+    sim: SimResult | None = field(default=None, repr=False)
+
+
+def resolve_offload(value: Any) -> OffloadPolicy:
+    """Parse a user's ``offload=`` argument.
+
+    Accepts ``None``/``False``/``"none"``, ``True``/``"full"``, ``"selective"`` (half the chunks),
+    ``"selective:0.25"``, ``"auto"``, a float fraction in [0, 1] (selective), a dict of `OffloadPolicy`
+    fields (``{"mode": "selective", "count": 2}``; ``mode`` defaults to selective when a fraction or
+    count is given) or an `OffloadPolicy`.
+    """
+    if isinstance(value, OffloadPolicy):
+        return value
+    if value is None or value is False:
+        return OffloadPolicy("none")
+    if value is True:
+        return OffloadPolicy("full")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in MODES:
+            return OffloadPolicy(text)
+        head, sep, tail = text.partition(":")
+        if sep and head.strip() == "selective":
+            try:
+                fraction = float(tail)
+            except ValueError:
+                raise ValueError(
+                    f"cannot read the fraction in offload={value!r}; write e.g. 'selective:0.25'"
+                ) from None
+            return OffloadPolicy("selective", fraction=fraction)
+        raise ValueError(
+            f"unknown offload setting {value!r}; use 'none', 'full', 'selective', 'selective:<fraction>' "
+            f"or 'auto'"
+        )
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise TypeError(
+            f"offload={value!r} is ambiguous: pass a float fraction of each rank's chunks (e.g. 0.5) or a "
+            f"count as {{'mode': 'selective', 'count': {value}}}"
+        )
+    if isinstance(value, float):
+        return OffloadPolicy("selective", fraction=value)
+    if isinstance(value, Mapping):
+        names = {f.name for f in fields(OffloadPolicy)}
+        unknown = set(value) - names
+        if unknown:
+            raise ValueError(f"unknown offload policy keys {sorted(unknown)}; allowed: {sorted(names)}")
+        kwargs = dict(value)
+        if "mode" not in kwargs:
+            kwargs["mode"] = "selective" if ("fraction" in kwargs or "count" in kwargs) else "full"
+        return OffloadPolicy(**kwargs)
+    raise TypeError(
+        f"offload must be None, 'none', 'full', 'selective', 'selective:<fraction>', 'auto', a fraction, a "
+        f"dict of OffloadPolicy fields or an OffloadPolicy, got {value!r}"
+    )
+
+
+def transfer_compute_ratio(
+    hidden_size: int, seq_len: int, flops_per_s: float, host_bandwidth_bytes_per_s: float
+) -> float:
+    """PipeOffload's ``k`` = (D2H + H2D time of a layer's activations) / (F + B compute of that layer).
+
+    ``k = 10 / (3 * (6h + s)) * flops_per_s / host_bandwidth_bytes_per_s``: compute per layer grows like
+    ``h * (6h + s)`` per token while the saved activations grow like ``h``, so large hidden sizes and
+    long sequences hide their copies. E.g. h=8192, s=4096 on an A100 (220 TFLOP/s, 15 GB/s): 0.92.
+    """
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("seq_len", seq_len),
+        ("flops_per_s", flops_per_s),
+        ("host_bandwidth_bytes_per_s", host_bandwidth_bytes_per_s),
+    ):
+        if not _is_real(value) or not value > 0 or math.isinf(value):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return 10.0 / (3.0 * (6.0 * hidden_size + seq_len)) * flops_per_s / host_bandwidth_bytes_per_s
+
+
+def auto_offload(k: float, *, lanes: str = "duplex", **tuning: Any) -> OffloadPolicy:
+    """The ``auto`` policy for transfer/compute ratio ``k``: offload ``min(1, 1/k)`` of each rank's chunks.
+
+    Why this rule (PipeOffload's k-analysis): each chunk brings F+I+W of compute and, offloaded, one copy
+    each way, so over a step the copy lanes must move ``share * k`` times the compute time. The paper
+    finds full offload nearly free for ``k <= 1`` and half offloadable for ``k <= 2``; ``1/k`` meets both
+    points and keeps the copy traffic at one compute time for larger ``k`` (the share then falls like the
+    bandwidth). It is half the bare duplex bound ``2/k`` on purpose: copies come in bursts (the warm-up
+    offloads every forward back to back, reloads queue before the cool-down) and two GPUs often share
+    one PCIe switch. With a shared lane both directions queue on one lane, so ``k`` counts double.
+    ``tuning``: other `OffloadPolicy` fields (``choose``, ``min_lifespan``, ``reload_margin``...).
+    """
+    if not _is_real(k) or not k >= 0 or math.isinf(k):
+        raise ValueError(f"the transfer/compute ratio k must be a finite number >= 0, got {k!r}")
+    effective = float(k) * (2.0 if lanes == "shared" else 1.0)
+    fraction = 1.0 if effective <= 1.0 else 1.0 / effective
+    return OffloadPolicy("auto", fraction=fraction, k=float(k), lanes=lanes, **tuning)
+
+
+def auto_from_measurements(
+    copy_s_per_chunk: float, compute_s_per_chunk: float, *, lanes: str = "duplex"
+) -> OffloadPolicy:
+    """The ``auto`` policy from measured times of one chunk (one stage, one microbatch).
+
+    ``copy_s_per_chunk``: one-way copy of its saved activations (D2H or H2D; pinned host memory);
+    ``compute_s_per_chunk``: its forward plus whole backward (F + I + W). ``k = 2 * copy / compute``.
+    """
+    if not _is_real(copy_s_per_chunk) or math.isinf(copy_s_per_chunk) or copy_s_per_chunk < 0:
+        raise ValueError(f"copy_s_per_chunk must be a finite number >= 0, got {copy_s_per_chunk!r}")
+    if not _is_real(compute_s_per_chunk) or math.isinf(compute_s_per_chunk) or not compute_s_per_chunk > 0:
+        raise ValueError(f"compute_s_per_chunk must be a finite number > 0, got {compute_s_per_chunk!r}")
+    return auto_offload(2.0 * copy_s_per_chunk / compute_s_per_chunk, lanes=lanes)
+
+
+def plan_offload(
+    order: Mapping[int, Iterable[Any]] | Iterable[Iterable[Any]],
+    costs: Costs | Mapping[str, float] | None = None,
+    policy: Any = "full",
+) -> OffloadPlan:
+    """Choose the chunks to offload in ``order`` and insert their OFFLOAD/RELOAD actions.
+
+    ``order``: rank -> actions, or a list of per-rank action lists (torch's ``pipeline_order`` or
+    ``get_schedule_ops`` output included); only compute passes matter. ``costs.transfer`` is one chunk's
+    one-way copy time; ``policy``: anything `resolve_offload` accepts.
+
+    The compute-only order is simulated with ``costs``. On every rank, the chunks worth offloading
+    (lifespan >= ``min_lifespan``, and a forward-to-backward window longer than an offload plus a
+    reload) are taken all (full) or by the policy's share of the rank's chunks (see
+    ``OffloadPolicy.choose``). Each OFFLOAD goes right after its F; each RELOAD at the latest position
+    that ends ``reload_margin`` backward passes before the chunk's first backward in the timeline, then
+    replayed with the copy lanes and moved earlier while a queued copy still ends too late.
+    """
+    compute = _compute_order(order)
+    costs = Costs.coerce(costs)
+    policy = resolve_offload(policy).resolved(costs)
+    offloaded: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
+    if not policy.enabled:
+        return OffloadPlan(compute, offloaded, policy, simulate(compute, costs, copy_lanes=policy.lanes))
+
+    base = simulate(compute, costs)
+    num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
+    scale = 2.0 * len(compute) / num_stages  # chunks per stage, as in the simulator
+    copy = costs.transfer * scale
+    min_lifespan = 4.0 * copy if policy.min_lifespan is None else policy.min_lifespan
+
+    reloads: dict[int, dict[tuple[int, int], _Chunk]] = {}
+    for rank in compute:
+        timeline = base.timeline[rank]
+        chunks = _chunks(timeline)
+        eligible = [
+            c for c in chunks.values() if c.lifespan >= min_lifespan - _EPS and c.window > 2.0 * copy + _EPS
+        ]
+        for c in eligible:
+            c.slot = _initial_slot(c, timeline, copy, policy)
+        n = _how_many(policy, len(chunks), len(eligible))
+        if n >= len(eligible):
+            chosen = sorted(eligible, key=lambda c: (-c.lifespan, c.f_start))
+        elif policy.choose == "lifespan":
+            chosen = _longest_first(eligible, n)
+        else:
+            chosen = _lower_peak_first(list(chunks.values()), eligible, n, copy, scale)
+        offloaded[rank] = [c.key for c in chosen]
+        reloads[rank] = {c.key: c for c in chosen}
+
+    planned = _insert(compute, reloads)
+    result = simulate(planned, costs, copy_lanes=policy.lanes)
+    if policy.reload_lead is None:
+        for _ in range(_REFINE_ROUNDS):
+            if not _move_late_reloads(result, reloads, policy.reload_margin):
+                break
+            planned = _insert(compute, reloads)
+            result = simulate(planned, costs, copy_lanes=policy.lanes)
+    return OffloadPlan(planned, offloaded, policy, result)
+
+
+@dataclass
+class _Chunk:
+    """One (stage, microbatch) on its rank: indices into the rank's compute passes and simulated times."""
+
+    key: tuple[int, int]
+    f_index: int
+    f_start: float
+    f_end: float
+    back_index: int = -1  # first backward pass (I or B; W when there is neither)
+    back_start: float = math.inf
+    free_end: float = -math.inf  # end of W or B, when the activations die
+    slot: int = -1  # RELOAD goes right before compute pass `slot`
+    reload_start: float = math.inf  # estimated from the compute-only timeline
+
+    @property
+    def lifespan(self) -> float:
+        return self.free_end - self.f_start
+
+    @property
+    def window(self) -> float:
+        return self.back_start - self.f_end
+
+
+def _chunks(timeline) -> dict[tuple[int, int], _Chunk]:
+    chunks: dict[tuple[int, int], _Chunk] = {}
+    for index, ((stage, kind, mb), start, finish) in enumerate(timeline):
+        key = (stage, mb)
+        if kind == F:
+            chunks[key] = _Chunk(key, index, start, finish)
+            continue
+        chunk = chunks.get(key)
+        if chunk is None:
+            continue
+        if chunk.back_index < 0:  # I or B; W only when the chunk has neither (I always precedes W)
+            chunk.back_index, chunk.back_start = index, start
+        if kind in (W, B):
+            chunk.free_end = max(chunk.free_end, finish)
+    return {k: c for k, c in chunks.items() if c.back_index >= 0 and c.free_end > -math.inf}
+
+
+def _how_many(policy: OffloadPolicy, total: int, eligible: int) -> int:
+    if policy.mode == "full":
+        return eligible
+    if policy.count is not None:
+        return min(policy.count, eligible)
+    return min(math.floor(policy.fraction * total + 0.5), eligible)
+
+
+def _longest_first(chunks: list[_Chunk], n: int) -> list[_Chunk]:
+    """The ``n`` longest-lived chunks; ties at the cut are spread evenly over forward time."""
+    if n <= 0:
+        return []
+    ranked = sorted(chunks, key=lambda c: (-c.lifespan, c.f_start))
+    if n >= len(ranked):
+        return ranked
+    cut = ranked[n - 1].lifespan
+    tol = 1e-6 * max(1.0, abs(cut))
+    sure = [c for c in ranked if c.lifespan > cut + tol]
+    tied = sorted((c for c in ranked if abs(c.lifespan - cut) <= tol), key=lambda c: c.f_start)
+    need = n - len(sure)
+    picks = [tied[int((i + 0.5) * len(tied) / need)] for i in range(need)]
+    return sure + picks
+
+
+def _lower_peak_first(
+    chunks: list[_Chunk], eligible: list[_Chunk], n: int, copy: float, scale: float
+) -> list[_Chunk]:
+    """``n`` of ``eligible`` that bring the rank's device-resident peak lowest, then longest-lived.
+
+    In the compute-only timeline an offloaded chunk is off the device from its offload's end to its
+    reload's start (its *gap*). For a target peak P, every instant whose level exceeds P needs that many
+    chunk units of gaps over it: a multi-cover of points by intervals, which the left-to-right sweep
+    taking, where cover is missing, the gap reaching furthest right (the longest-lived among equal ones)
+    solves with the fewest chunks. The lowest P reachable within ``n`` is found by bisection; the rest of
+    the share goes to the longest-lived chunks left.
+
+    Why not plain longest-first: lifespans of a compacted or interleaved order differ by a pass or two
+    between neighbouring microbatches, and longest-first then offloads every other microbatch of the
+    steady phase and nothing of the warm-up or cool-down, where the peak may sit unchanged.
+    """
+    times = sorted(
+        {t for c in chunks for t in (c.f_start, c.free_end)} | {t for c in eligible for t in _gap(c, copy)}
+    )
+    index = {t: i for i, t in enumerate(times)}
+    delta = [0.0] * (len(times) + 1)
+    for c in chunks:
+        delta[index[c.f_start]] += scale
+        delta[index[c.free_end]] -= scale
+    level, running = [], 0.0
+    for i in range(len(times)):
+        running += delta[i]
+        level.append(running)  # on [times[i], times[i + 1])
+    spans = []  # (lo, hi, chunk): the gap covers segments lo .. hi-1
+    for c in eligible:
+        start, end = _gap(c, copy)
+        if index[end] > index[start]:
+            spans.append((index[start], index[end], c))
+    spans.sort(key=lambda s: s[0])
+
+    def cover(target: float) -> list[_Chunk] | None:
+        """Fewest gaps keeping every segment at or below ``target``; None if more than ``n`` needed."""
+        heap: list[tuple[int, float, float, int]] = []
+        ends = [0] * (len(times) + 1)
+        chosen: list[_Chunk] = []
+        active = nxt = 0
+        for i, value in enumerate(level):
+            active -= ends[i]
+            while nxt < len(spans) and spans[nxt][0] <= i:
+                heapq.heappush(heap, (-spans[nxt][1], -spans[nxt][2].lifespan, spans[nxt][2].f_start, nxt))
+                nxt += 1
+            need = math.ceil((value - target) / scale - 1e-9)
+            while active < need:
+                while heap and -heap[0][0] <= i:  # gaps ending before this segment
+                    heapq.heappop(heap)
+                if not heap or len(chosen) == n:
+                    return None
+                _, _, _, k = heapq.heappop(heap)
+                chosen.append(spans[k][2])
+                active += 1
+                ends[spans[k][1]] += 1
+        return chosen
+
+    peak = max(level)
+    best: list[_Chunk] = []
+    low, high = 0, round(peak / scale)  # bisect on the number of chunk units removed from the peak
+    while low < high:
+        mid = (low + high + 1) // 2
+        found = cover(peak - mid * scale)
+        if found is None:
+            high = mid - 1
+        else:
+            low, best = mid, found
+    if low == 0:
+        best = []
+    taken = {id(c) for c in best}
+    rest = sorted((c for c in eligible if id(c) not in taken), key=lambda c: (-c.lifespan, c.f_start))
+    return best + rest[: n - len(best)]
+
+
+def _gap(chunk: _Chunk, copy: float) -> tuple[float, float]:
+    """When an offloaded chunk is off the device: its offload's end to its reload's start."""
+    return chunk.f_end + copy, max(chunk.f_end + copy, chunk.reload_start)
+
+
+def _initial_slot(chunk: _Chunk, timeline, copy: float, policy: OffloadPolicy) -> int:
+    """Where the RELOAD goes, from the compute-only timeline: before compute pass ``slot``.
+
+    Latest slot whose reload (issued when the pass before the slot ends, started no earlier than the
+    OFFLOAD's end) ends ``reload_margin`` backward passes before the backward starts; at least one pass
+    before it when the window has room; otherwise right after the OFFLOAD. Also records the estimated
+    reload start on ``chunk``.
+    """
+    first = chunk.f_index + 1  # right after the F (and its OFFLOAD)
+    last = chunk.back_index
+    offload_end = chunk.f_end + copy
+    if policy.reload_lead is not None:
+        slot = max(first, last - policy.reload_lead)
+    else:
+        _, b_start, b_end = timeline[last]
+        deadline = b_start - policy.reload_margin * (b_end - b_start) + _EPS
+        top = last - 1 if last - 1 >= first else last
+        slot = first
+        for candidate in range(top, first - 1, -1):
+            if max(timeline[candidate - 1][2], offload_end) + copy <= deadline:
+                slot = candidate
+                break
+    chunk.reload_start = max(timeline[slot - 1][2], offload_end)
+    return slot
+
+
+def _move_late_reloads(
+    result: SimResult, reloads: dict[int, dict[tuple[int, int], _Chunk]], margin: float
+) -> bool:
+    """Move one pass earlier every RELOAD that, replayed with the lanes, ends later than ``margin``
+    backward passes before its backward starts. Returns whether anything moved."""
+    moved = False
+    for rank, chunks in reloads.items():
+        if not chunks:
+            continue
+        timeline = result.timeline[rank]
+        for action, _, finish in result.transfers[rank]:
+            if action.computation_type != RELOAD:
+                continue
+            chunk = chunks[(action.stage_index, action.microbatch_index)]
+            _, b_start, b_end = timeline[chunk.back_index]
+            if finish > b_start - margin * (b_end - b_start) + _EPS and chunk.slot > chunk.f_index + 1:
+                chunk.slot -= 1
+                moved = True
+    return moved
+
+
+def _insert(compute: dict[int, list[Action]], reloads: dict[int, dict[tuple[int, int], _Chunk]]):
+    """``compute`` with OFFLOAD right after each chosen F and RELOAD right before compute pass ``slot``
+    (after any OFFLOAD at the same place; RELOADs sharing a slot in the order of their backwards)."""
+    out: dict[int, list[Action]] = {}
+    for rank, actions in compute.items():
+        chunks = reloads.get(rank, {})
+        if not chunks:
+            out[rank] = list(actions)
+            continue
+        before: dict[int, list[_Chunk]] = {}
+        for c in chunks.values():
+            before.setdefault(c.slot, []).append(c)
+        for group in before.values():
+            group.sort(key=lambda c: c.back_index)
+        seq: list[Action] = []
+        for index, action in enumerate(actions):
+            seq.extend(Action(c.key[0], RELOAD, c.key[1]) for c in before.get(index, ()))
+            seq.append(action)
+            if action.computation_type == F and (action.stage_index, action.microbatch_index) in chunks:
+                # the RELOAD of a chunk whose slot is the next pass still comes after this OFFLOAD
+                seq.append(Action(action.stage_index, OFFLOAD, action.microbatch_index))
+        seq.extend(Action(c.key[0], RELOAD, c.key[1]) for c in before.get(len(actions), ()))
+        out[rank] = seq
+    return out
+
+
+def _compute_order(order: Mapping[int, Iterable[Any]] | Iterable[Iterable[Any]]) -> dict[int, list[Action]]:
+    """Any order (ours, torch's ``_Action`` lists with ``None`` slots) as rank -> compute `Action`s."""
+    items = order.items() if isinstance(order, Mapping) else enumerate(order)
+    out: dict[int, list[Action]] = {}
+    for rank, actions in items:
+        actions = list(actions)
+        for a in actions:
+            if a is not None:
+                kind = str(getattr(a.computation_type, "value", a.computation_type))
+                if kind in (OFFLOAD, RELOAD):
+                    raise ValueError(
+                        f"order already holds {a} on rank {rank}; plan_offload takes the compute-only order"
+                    )
+        out[int(rank)] = [Action(s, k, j) for s, k, j in flatten(actions)]
+    if not any(out.values()):
+        raise ValueError("order has no compute actions")
+    return out
+
+
+def _tuning(policy: OffloadPolicy) -> dict[str, Any]:
+    """The fields of ``policy`` that tune placement rather than choose the share."""
+    return {
+        "choose": policy.choose,
+        "min_lifespan": policy.min_lifespan,
+        "reload_margin": policy.reload_margin,
+        "reload_lead": policy.reload_lead,
+        "lanes": policy.lanes,
+    }
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
