@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pp_offload.order import Costs
 
 if TYPE_CHECKING:
+    from pp_offload.runtime.offload import enable_offload
     from pp_offload.runtime.schedules import ScheduleVAdaptive, ScheduleVHalf, ScheduleVMin, ScheduleVZB
     from pp_offload.runtime.timing import ActionTimer, realized_bubble, record_actions
 
@@ -21,6 +22,7 @@ __all__ = [
     "ScheduleVMin",
     "ScheduleVZB",
     "__version__",
+    "enable_offload",
     "realized_bubble",
     "record_actions",
 ]
@@ -33,6 +35,7 @@ _LAZY = {
     "ScheduleVMin": "pp_offload.runtime.schedules",
     "ScheduleVZB": "pp_offload.runtime.schedules",
     "ActionTimer": "pp_offload.runtime.timing",
+    "enable_offload": "pp_offload.runtime.offload",
     "realized_bubble": "pp_offload.runtime.timing",
     "record_actions": "pp_offload.runtime.timing",
 }

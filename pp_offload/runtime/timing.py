@@ -49,6 +49,7 @@ __all__ = ["ActionEvent", "ActionTimer", "action_category", "realized_bubble", "
 
 _COMPUTE_KINDS = frozenset({"F", "I", "W", "B"})
 _COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+_COPY_KINDS = frozenset({"OFFLOAD", "RELOAD"})
 _ACTION_RE = re.compile(r"^(\d+)([A-Z_]+?)(\d*)$")
 _STAGE_COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
@@ -63,7 +64,8 @@ class ActionEvent(NamedTuple):
 
 
 def action_category(action: str) -> str:
-    """``compute`` (F/I/W/B and overlapped F+B), ``comm`` (SEND/RECV), ``wait`` or ``other``."""
+    """``compute`` (F/I/W/B and overlapped F+B), ``comm`` (SEND/RECV), ``copy`` (OFFLOAD/RELOAD: issuing a
+    device<->host copy; on CUDA the copy itself runs on a side stream), ``wait`` or ``other``."""
     if action.startswith("wait:"):
         return "wait"
     if action.endswith("OVERLAP_F_B"):
@@ -76,6 +78,8 @@ def action_category(action: str) -> str:
         return "compute"
     if kind in _COMM_KINDS:
         return "comm"
+    if kind in _COPY_KINDS:
+        return "copy"
     return "other"
 
 
@@ -225,6 +229,7 @@ def chrome_trace(events: Iterable[ActionEvent]) -> dict[str, Any]:
     colours = {
         "compute": "thread_state_running",
         "comm": "thread_state_iowait",
+        "copy": "rail_load",
         "wait": "grey",
         "other": "white",
     }
