@@ -22,13 +22,11 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -92,35 +90,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 # Worker side
 
 
-def _worker(
-    rank: int, world: int, port: int, configs: list[Config], args: argparse.Namespace, results: Any
-) -> None:
-    import torch
+def _worker(rank: int, world: int, configs: list[Config], args: argparse.Namespace) -> None:
+    """One rank (run by `pp_offload.launch.run_on_ranks`, in a gloo group): every configuration in turn;
+    rank 0 sends each one's record to the parent as it finishes."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=args.timeout),
-    )
-    try:
-        shape = (args.microbatch_size, args.hidden)
-        comm_s = 0.0
-        if args.comm == "measure" and world > 1:
-            from pp_offload.emulate import measure_p2p_latency
+    from pp_offload.launch import send
 
-            comm_s = measure_p2p_latency(shape=shape)
-        for config in configs:
-            record = _run_config(rank, world, config, args, comm_s)
-            if rank == 0:
-                results.put(("result", record))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    shape = (args.microbatch_size, args.hidden)
+    comm_s = 0.0
+    if args.comm == "measure" and world > 1:
+        from pp_offload.emulate import measure_p2p_latency
+
+        comm_s = measure_p2p_latency(shape=shape)
+    if rank == 0:
+        send("ready")  # the first configuration's time starts now
+    for config in configs:
+        record = _run_config(rank, world, config, args, comm_s)
+        if rank == 0:
+            send("result", record)
+    dist.barrier()
 
 
 def _run_config(
@@ -229,50 +218,26 @@ def _executed_order(schedule: Any) -> dict[int, list[Any]]:
 # Driver side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_group(world: int, configs: list[Config], args: argparse.Namespace, on_result: Any) -> None:
-    """Spawn ``world`` ranks that run ``configs`` in order; a failing rank stops all with its traceback."""
-    import torch.multiprocessing as mp
+    """Run ``world`` ranks that run ``configs`` in order; a failing rank stops all with its traceback
+    (`pp_offload.launch.RankError`), and so does any configuration, or the start, that takes longer than
+    ``--timeout`` (`pp_offload.launch.RankTimeout`, with every rank's stack)."""
+    from pp_offload.launch import run_on_ranks
 
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    proc_ctx = mp.start_processes(
+    def on_message(rank: int, kind: str, record: Any) -> None:
+        if kind == "result":
+            on_result(record)
+
+    run_on_ranks(
         _worker,
-        args=(world, _free_port(), configs, args, results),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
+        world,
+        configs,
+        args,
+        timeout=(len(configs) + 2) * args.timeout,  # a backstop: idle_timeout catches a stuck one first
+        idle_timeout=args.timeout,
+        op_timeout=args.timeout,
+        on_message=on_message,
     )
-    # every configuration must finish within the timeout; starting processes gets one more
-    deadline = time.monotonic() + 2 * args.timeout
-    try:
-        while True:
-            while not results.empty():
-                kind, record = results.get()
-                if kind == "result":
-                    on_result(record)
-                    deadline = time.monotonic() + args.timeout
-            if proc_ctx.join(timeout=0.2):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"d={world}: no configuration finished within {args.timeout:.0f} s")
-        while not results.empty():
-            kind, record = results.get()
-            if kind == "result":
-                on_result(record)
-    finally:
-        for proc in proc_ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in proc_ctx.processes:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
 
 
 def _configs(args: argparse.Namespace) -> list[Config]:

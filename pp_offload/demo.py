@@ -30,21 +30,17 @@ import json
 import math
 import os
 import platform
-import queue
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 __all__ = ["DemoConfig", "DemoError", "add_arguments", "main", "run_demo"]
 
-_HOST = "127.0.0.1"
 _REL_TOL = 1e-4  # fp32: pipelined and single-process runs sum microbatch gradients in different orders
 _ABS_TOL = 1e-6
 
@@ -182,32 +178,23 @@ def reference_losses(config: DemoConfig) -> list[float]:
 # Rank side
 
 
-def _rank_main(rank: int, config: DemoConfig, port: int, specs: list[_Spec], results: Any) -> None:
-    """Entry point of one pipeline rank: join the group, train with every schedule, report to the parent."""
-    try:
-        import torch
-        import torch.distributed as dist
+def _rank_main(rank: int, world_size: int, config: DemoConfig, specs: list[_Spec]) -> list[dict[str, Any]]:
+    """One pipeline rank (run by `pp_offload.launch.run_on_ranks`, in a gloo group): train with every
+    schedule; rank 0 streams progress to the parent and returns what it measured (others: [])."""
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        op_timeout = timedelta(seconds=min(60.0, config.timeout))
-        store = dist.TCPStore(_HOST, port, is_master=False, timeout=op_timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=config.ranks, timeout=op_timeout)
-        try:
-            for spec in specs:
-                if rank == 0:
-                    results.put(("start", rank, spec.label))
-                record = _train(rank, config, spec)
-                if rank == 0:
-                    results.put(("result", rank, record))
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        results.put(("done", rank, None))
-    except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
-        sys.exit(1)
+    from pp_offload.launch import send
+
+    records = []
+    for spec in specs:
+        if rank == 0:
+            send("start", spec.label)
+        record = _train(rank, config, spec)
+        if rank == 0:
+            send("done", spec.label)
+            records.append(record)
+    dist.barrier()
+    return records
 
 
 def _train(rank: int, config: DemoConfig, spec: _Spec) -> dict[str, Any]:
@@ -289,62 +276,29 @@ def _train(rank: int, config: DemoConfig, spec: _Spec) -> dict[str, Any]:
 
 def _launch(config: DemoConfig, specs: list[_Spec], on_event: Any) -> list[dict[str, Any]]:
     """Run the ranks; a failing rank stops all of them and raises `DemoError` with its traceback."""
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
+    from pp_offload.launch import RankError, RankTimeout, format_stacks, run_on_ranks
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = dist.TCPStore(  # port 0: the OS picks a free port, and no rank can race for it
-        _HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, config, store.port, specs, results),
-            name=f"pp-offload-demo-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(config.ranks)
-    ]
-    for p in procs:
-        p.start()
-    records: list[dict[str, Any]] = []
-    done: set[int] = set()
-    deadline = time.monotonic() + config.timeout
     try:
-        while len(done) < config.ranks:
-            try:
-                kind, rank, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
-                if dead:
-                    try:  # its report may still be on the way
-                        kind, rank, payload = results.get(timeout=2.0)
-                    except queue.Empty:
-                        code = procs[dead[0]].exitcode
-                        raise DemoError(f"rank {dead[0]} exited with code {code} and no report") from None
-                elif time.monotonic() > deadline:
-                    raise DemoError(
-                        f"the demo did not finish within --timeout {config.timeout:g} s "
-                        f"(ranks still running: {sorted(set(range(config.ranks)) - done)}); on a slow or "
-                        "busy machine raise --timeout"
-                    ) from None
-                else:
-                    continue
-            if kind == "error":
-                raise DemoError(f"rank {rank} failed:\n{payload}")
-            if kind == "done":
-                done.add(rank)
-            elif kind == "result":
-                records.append(payload)
-            on_event(kind, payload)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=10)
-    return records
+        per_rank = run_on_ranks(
+            _rank_main,
+            config.ranks,
+            config,
+            specs,
+            timeout=config.timeout,
+            op_timeout=min(60.0, config.timeout),
+            on_message=lambda rank, kind, payload: on_event(kind, payload),
+        )
+    except RankError as e:
+        if e.remote_traceback is None:
+            raise DemoError(f"rank {e.rank} exited with code {e.exitcode} and no report") from None
+        raise DemoError(str(e)) from None
+    except RankTimeout as e:
+        where = f"\nwhere each rank was:\n{format_stacks(e.stacks)}" if e.stacks else ""
+        raise DemoError(
+            f"the demo did not finish within --timeout {config.timeout:g} s "
+            f"(ranks still running: {e.unfinished}); on a slow or busy machine raise --timeout{where}"
+        ) from None
+    return per_rank[0]
 
 
 def _analyse(
@@ -443,7 +397,7 @@ def run_demo(config: DemoConfig, *, stream: Any = None) -> dict[str, Any]:
     def on_event(kind: str, payload: Any) -> None:
         if kind == "start":
             bar.set_postfix_str(payload)
-        elif kind == "result":
+        elif kind == "done":
             bar.update(1)
 
     try:
