@@ -1,7 +1,7 @@
 """Multi-process (gloo, CPU): activation offload changes no loss and no gradient, on every schedule.
 
-For d = 2 and 3, our V schedules and torch's ZBVZeroBubble (V placement) and Interleaved1F1B (loop
-placement) run without offload, with full offload and with selective offload of half the chunks; losses
+For d = 2 and 3, our V schedules and torch's ZBVZeroBubble and DualPipeV (V placement) and
+Interleaved1F1B and InterleavedZeroBubble (loop placement) run without offload, with full offload and with selective offload of half the chunks; losses
 and every parameter's gradient must equal a single-process reference. The activations are large enough
 (> the store's 1024-element floor) that offload really moves bytes, which the test checks. A RELOAD
 removed from an order must fail with an error naming the chunk.
@@ -39,7 +39,9 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _schedules(d: int) -> list[tuple[str, str]]:
     """(name, placement) of every schedule under test."""
     ours = ["ScheduleVMin", "ScheduleVHalf", "ScheduleVZB", "ScheduleVAdaptive"]
-    return [(n, "v") for n in ours] + [("ScheduleZBVZeroBubble", "v"), ("ScheduleInterleaved1F1B", "loop")]
+    theirs = [("ScheduleZBVZeroBubble", "v"), ("ScheduleDualPipeV", "v")]
+    theirs += [("ScheduleInterleaved1F1B", "loop"), ("ScheduleInterleavedZeroBubble", "loop")]
+    return [(n, "v") for n in ours] + theirs
 
 
 def _build(name: str, stages: list, m: int, offload):

@@ -7,9 +7,9 @@
 1. plan: `pp_offload.order.offload.plan_offload` chooses the chunks (stage, microbatch) to offload from
    the schedule's compute order and the costs, and places each RELOAD so it ends before the chunk's first
    backward pass;
-2. lower: the OFFLOAD/RELOAD actions are inserted into torch's lowered order (comms included), OFFLOAD
-   right after the chunk's F, RELOAD right before the compute action that follows it in the plan, so
-   they print with the rest (``3OFFLOAD1``) and show up in `ActionTimer`'s Chrome trace;
+2. lower: the OFFLOAD/RELOAD actions are inserted into torch's lowered order (comms included), each
+   right after the action running the compute pass that precedes it in the plan (OFFLOAD: the chunk's
+   F), so they print with the rest (``3OFFLOAD1``) and show up in `ActionTimer`'s Chrome trace;
 3. execute: an `ActivationStore` records the saved tensors of each chosen chunk's forward (the stage's
    own inputs, held by the pipeline's receive buffers, are not copied), moves them to host memory at
    OFFLOAD, back at RELOAD, and drops them after the chunk's last backward pass (W, or B), because split
@@ -112,45 +112,32 @@ def _key(action: Any) -> tuple[int, int]:
 def _insert_into_lowered_order(schedule: Any, plan: OffloadPlan) -> None:
     """Put the plan's OFFLOAD/RELOAD actions into torch's lowered order of every rank.
 
-    OFFLOAD(s, j) follows the action that runs F(s, j); RELOAD(s, j) precedes the action that runs the
-    compute pass following it in the plan (RECV actions torch put in between stay where they are).
+    Each goes right after the lowered action that runs the compute pass preceding it in the plan. A
+    composite action (torch's OVERLAP_F_B) runs its passes back to back, so a position between its
+    passes becomes "right after it"; the plan's relative order of OFFLOADs and RELOADs is kept.
     """
     lowered = compat.lowered_order(schedule)
     for rank, planned in plan.order.items():
-        after: dict[tuple[int, str, int], list[Any]] = {}
-        before: dict[tuple[int, str, int], list[Any]] = {}
-        pending_reloads: list[Any] = []
-        previous_compute: tuple[int, str, int] | None = None
+        position = {key: i for i, action in enumerate(lowered[rank]) for key in _compute_keys(action)}
+        after: dict[int, list[Any]] = {}
+        anchor = None
         for action in planned:
             kind = action.computation_type
-            key = (action.stage_index, kind, action.microbatch_index)
-            if kind == "OFFLOAD":
-                offload = compat.make_action(action.stage_index, "OFFLOAD", action.microbatch_index)
-                after.setdefault(previous_compute, []).append(offload)
-            elif kind == "RELOAD":
-                pending_reloads.append(
-                    compat.make_action(action.stage_index, "RELOAD", action.microbatch_index)
+            if kind in ("OFFLOAD", "RELOAD"):
+                if anchor is None:
+                    raise ValueError(f"rank {rank}: {action} comes before any compute pass in the plan")
+                after.setdefault(anchor, []).append(
+                    compat.make_action(action.stage_index, kind, action.microbatch_index)
                 )
-            else:
-                if pending_reloads:
-                    before.setdefault(key, []).extend(pending_reloads)
-                    pending_reloads = []
-                previous_compute = key
-        if pending_reloads:
-            raise ValueError(f"rank {rank}: RELOAD {pending_reloads} is not followed by any compute action")
+                continue
+            key = (action.stage_index, kind, action.microbatch_index)
+            if key not in position:
+                raise ValueError(f"rank {rank}: the plan's {action} is not in the schedule's lowered order")
+            anchor = max(position[key], anchor if anchor is not None else -1)
         new_order = []
-        for action in lowered[rank]:
-            keys = _compute_keys(action)
-            for key in keys:
-                new_order.extend(before.pop(key, ()))
+        for i, action in enumerate(lowered[rank]):
             new_order.append(action)
-            for key in keys:
-                new_order.extend(after.pop(key, ()))
-        missing = [str(a) for acts in (*before.values(), *after.values()) for a in acts]
-        if missing:
-            raise ValueError(
-                f"rank {rank}: could not place {missing}: their compute passes are not in the order"
-            )
+            new_order.extend(after.pop(i, ()))
         lowered[rank] = new_order
 
 
