@@ -1,10 +1,11 @@
 """Multi-process (gloo, CPU): activation offload changes no loss and no gradient, on every schedule.
 
-For d = 2 and 3, our V schedules and torch's ZBVZeroBubble and DualPipeV (V placement) and
-Interleaved1F1B and InterleavedZeroBubble (loop placement) run without offload, with full offload and with selective offload of half the chunks; losses
-and every parameter's gradient must equal a single-process reference. The activations are large enough
-(> the store's 1024-element floor) that offload really moves bytes, which the test checks. A RELOAD
-removed from an order must fail with an error naming the chunk.
+For d = 2 and 3, our V schedules, torch's ZBVZeroBubble and DualPipeV (V placement) and its
+Interleaved1F1B and InterleavedZeroBubble (loop placement) run without offload, with full offload and
+with selective offload of half the chunks; losses and every parameter's gradient must equal a
+single-process reference. The activations are large enough (> the store's 1024-element floor) that
+offload really moves bytes, which the test checks. A RELOAD removed from an order must fail with an
+error naming the chunk.
 """
 
 from __future__ import annotations

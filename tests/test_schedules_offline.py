@@ -209,7 +209,8 @@ def test_action_categories():
     assert [action_category(a) for a in ("0F1", "5I0", "1W12", "2B3")] == ["compute"] * 4
     assert [action_category(a) for a in ("0SEND_F1", "3RECV_B0")] == ["comm"] * 2
     assert action_category("wait:3F1") == "wait"
-    assert action_category("0REDUCE_GRAD") == action_category("3OFFLOAD1") == "other"
+    assert action_category("0REDUCE_GRAD") == "other"
+    assert action_category("3OFFLOAD1") == action_category("3RELOAD1") == "copy"
     assert action_category("(0F1;3B0)OVERLAP_F_B") == "compute"
 
 
