@@ -26,7 +26,8 @@ from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
 from pp_offload.order.compact import compact
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
-from pp_offload.sim import simulate
+from pp_offload.order.rhythm import rhythm_v_order
+from pp_offload.sim import OrderDeadlockError, simulate
 
 _MAX_DOWN_OFFSET = 4
 _COMPACTED_CANDIDATES = 5
@@ -148,6 +149,11 @@ def _generators(num_ranks: int, costs: Costs, cap: float) -> list[_Generator]:
     shaped = [(costs, p) for p in _GREEDY_POLICIES]
     if unit != costs:
         shaped += [(unit, p) for p in _UNIT_SHAPED_POLICIES]
+    # 1F1B-rhythm orders, full fill (1F1B's memory) down to a one-forward fill.
+    gens += [
+        _Generator(f"rhythm(trim={t})", False, partial(rhythm_v_order, num_ranks, trim=t))
+        for t in range(2 * num_ranks - 1)
+    ]
     gens += [
         _Generator(
             f"greedy{policy}@{shape_costs}",
@@ -175,7 +181,10 @@ def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> 
         order = gen.build(horizon)
         if order is None:
             continue
-        result = simulate(order, costs)
+        try:
+            result = simulate(order, costs)
+        except OrderDeadlockError:
+            continue  # a family member that cannot run at this size
         if result.peak <= cap + 1e-9:
             ranked.append((not gen.canonical, result.makespan, gen.name, gen, order))
     ranked.sort(key=lambda item: item[:3])
@@ -191,7 +200,10 @@ def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> 
     best = None
     for _, _, gen, _ in scored[:_FINALISTS]:
         order = gen.build(num_microbatches)
-        if order is None or simulate(order, costs).peak > cap + 1e-9:
+        try:
+            if order is None or simulate(order, costs).peak > cap + 1e-9:
+                continue
+        except OrderDeadlockError:
             continue
         compacted = compact(order, costs, memory_cap=caps)
         makespan = simulate(compacted, costs).makespan
