@@ -18,6 +18,7 @@ Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -105,10 +106,11 @@ def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label:
     order = _search(num_ranks, num_microbatches, costs, float(cap)) if cap >= smallest - 1e-9 else None
     if order is None:
         reference = one_f_one_b_peak(num_ranks, num_microbatches)
+        limit = math.ceil(smallest / reference * 1e4) / 1e4  # rounded up: the printed limit must work
         raise ValueError(
             f"{label}: no V order for d={num_ranks}, m={num_microbatches} fits in {cap:g} chunk units "
             f"per rank; the smallest feasible peak is {smallest:g} chunk units, i.e. memory_limit >= "
-            f"{smallest / reference:.4f} of 1F1B's {reference} (raise the limit, or offload activations)"
+            f"{limit:.4f} of 1F1B's {reference} (raise the limit, or offload activations)"
         )
     return {rank: list(actions) for rank, actions in order.items()}
 
