@@ -1,13 +1,20 @@
 """V-shape orders under a memory cap: V-Min, V-Half, V-ZB and the adaptive scheduler.
 
-One mechanism serves all four. A candidate is a V building block (`pp_offload.order.blocks.v_block`)
-from a space of offsets: the paper's V-Min (offsets 1/1) and V-Half (2/1) patterns, plus every
-"first K ranks on down-offset a, the rest on b" pattern the adaptive scheduler of the controllable-
-memory paper searches. Each candidate is repeated, squeezed with the *real* costs and measured by the
-simulator; those within the memory cap are compacted (gap filling up to the cap) and the lowest makespan
-wins. So every order respects its cap by construction, the paper's canonical pattern is always among the
-candidates (its bubble is a ceiling), and unbalanced F/I/W costs choose a different pattern when one is
-better.
+One mechanism serves all four: generate candidates from three families, judge them with the *real*
+costs in the simulator, keep the fastest within the memory cap.
+
+- building blocks (`pp_offload.order.blocks`): the paper's V-Min (offsets 1/1) and V-Half (2/1)
+  patterns, plus every "first K ranks on down-offset a, the rest on b" pattern its adaptive scheduler
+  searches, repeated over the microbatches;
+- greedy orders (`pp_offload.order.greedy`) built under the cap, a few policy variants, shaped by the
+  real costs and by unit costs;
+- 1F1B-rhythm orders (`pp_offload.order.rhythm`), full to shortest fill: robust to comm latency and
+  skewed F/I/W costs (this is the structure of torch's ZBV schedule).
+
+The best are compacted (`pp_offload.order.compact`: idle gaps filled without raising any rank's peak).
+So every order respects its cap by construction (its simulated peak is checked), the paper's canonical
+patterns are always compacted (their bubbles are a ceiling), and unbalanced costs or comm latency pick
+another structure when one is faster.
 
 Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 - V-Min:  ``2 * floor((d + 4) / 3)``, about 1/3 of 1F1B;
