@@ -22,7 +22,7 @@ gradient.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,18 +40,11 @@ _DEFAULT_TRANSFER = 0.5
 
 @dataclass
 class OffloadRuntime:
-    """What `enable_offload` installed on a schedule: the plan, the store, and how to undo it."""
+    """What `enable_offload` installed on a schedule (``schedule.offload``): the plan and the store."""
 
     plan: OffloadPlan
     store: ActivationStore
     offloaded: set[tuple[int, int]]
-    _undo: list[Any] = field(default_factory=list, repr=False)
-
-    def disable(self) -> None:
-        """Remove the hooks (the schedule keeps its inserted actions; call only to tear down)."""
-        while self._undo:
-            self._undo.pop()()
-        self.store.reset()
 
 
 def enable_offload(
@@ -92,7 +85,7 @@ def enable_offload(
     rank = stages[0].group_rank
     runtime = OffloadRuntime(plan, store, set(plan.offloaded.get(rank, ())))
     for stage in stages:
-        runtime._undo.append(_hook_stage(stage, runtime))
+        _hook_stage(stage, runtime)
     compat.install_action_handler(schedule, "OFFLOAD", lambda action, ctx: store.offload(_key(action)))
     compat.install_action_handler(schedule, "RELOAD", lambda action, ctx: store.reload(_key(action)))
 
@@ -100,7 +93,7 @@ def enable_offload(
         store.reset()  # a step that failed half-way leaves chunks behind; never let them leak into the next
         return step_microbatches(*args, **kwargs)
 
-    runtime._undo.append(compat.wrap_step_microbatches(schedule, fresh_step))
+    compat.wrap_step_microbatches(schedule, fresh_step)
     schedule.offload = runtime
     return runtime
 
@@ -151,7 +144,7 @@ def _compute_keys(action: Any) -> list[tuple[int, str, int]]:
     return []
 
 
-def _hook_stage(stage: Any, runtime: OffloadRuntime) -> Any:
+def _hook_stage(stage: Any, runtime: OffloadRuntime) -> None:
     """Capture the chosen chunks' forwards and release them after their last backward pass."""
     store, chosen = runtime.store, runtime.offloaded
     originals = {
@@ -206,9 +199,3 @@ def _hook_stage(stage: Any, runtime: OffloadRuntime) -> Any:
     }
     for name, hook in hooks.items():
         setattr(stage, name, hook)
-
-    def undo() -> None:
-        for name in hooks:
-            vars(stage).pop(name, None)
-
-    return undo
