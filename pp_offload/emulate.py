@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pp_offload.runtime.catalog import stage_indices
+
 __all__ = [
     "EmulatedStage",
     "PassCosts",
@@ -177,18 +179,6 @@ class EmulatedStage(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------
 # Placement
-
-
-def stage_indices(rank: int, num_ranks: int, placement: str) -> list[int]:
-    """Stages held by ``rank``: ``"v"`` (s on s if s < d else 2d-1-s), ``"loop"`` (2 per rank, s on s % d)
-    or ``"single"`` (one stage per rank)."""
-    if placement == "v":
-        return [rank, 2 * num_ranks - 1 - rank]
-    if placement == "loop":
-        return [rank, rank + num_ranks]
-    if placement == "single":
-        return [rank]
-    raise ValueError(f"placement must be 'v', 'loop' or 'single', got {placement!r}")
 
 
 def build_stages(

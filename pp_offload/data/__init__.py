@@ -1,0 +1,34 @@
+"""The data pipeline of the Hugging Face fine-tuning recipe: load, tokenize and pack, then batch.
+
+    config = DataConfig(path="embedded", seq_len=128)
+    examples = load_examples(config)                      # a datasets.Dataset with the needed columns
+    packed = pack_examples(examples, tokenizer, config)   # blocks of input_ids / labels / position_ids
+    batches = PackedBatches(packed, global_batch_size=32, dp_rank=r, dp_size=n, seed=0)
+    batch = batches.batch(step)                           # pure function of (seed, step): resumable
+
+``path="embedded"`` needs no download: the corpus and a tokenizer for it are built from the standard library
+(`embedded_assets`). Heavy libraries (datasets, transformers, torch) are imported on first use, so a rank that
+only builds the embedded assets starts fast.
+"""
+
+from __future__ import annotations
+
+from pp_offload.data.batches import PackedBatches
+from pp_offload.data.config import DataConfig
+from pp_offload.data.embedded import EmbeddedAssets, default_cache_dir, embedded_assets, embedded_dir
+from pp_offload.data.errors import DataError
+from pp_offload.data.loading import load_examples
+from pp_offload.data.packing import IGNORE_INDEX, pack_examples
+
+__all__ = [
+    "IGNORE_INDEX",
+    "DataConfig",
+    "DataError",
+    "EmbeddedAssets",
+    "PackedBatches",
+    "default_cache_dir",
+    "embedded_assets",
+    "embedded_dir",
+    "load_examples",
+    "pack_examples",
+]

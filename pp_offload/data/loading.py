@@ -1,0 +1,177 @@
+"""Load raw examples through `datasets.load_dataset`, whatever the source, and check their columns.
+
+Every source (the embedded corpus and local files included) goes through `load_dataset`, so the code path a
+quick offline run takes is the one a real fine-tuning run takes: same Arrow tables, same caching. What this
+module adds is the choice of builder for a bare local file, and turning the many ways `datasets` fails
+(unknown name, missing file, absent column, an unreachable hub that it would otherwise retry for ~25 s) into a
+`DataError` that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from pp_offload.data.config import DataConfig
+from pp_offload.data.embedded import embedded_assets, embedded_dir
+from pp_offload.data.errors import DataError
+
+if TYPE_CHECKING:
+    import datasets
+
+#: `datasets` packaged builders a config may name directly (with ``data_files``).
+BUILDERS = ("text", "json", "parquet", "csv")
+#: Builder chosen for a local file by its extension (after a compression extension, if any).
+SUFFIX_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
+_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+_HINT = (
+    "pass a local file (.txt/.json/.jsonl/.parquet/.csv), a directory of such files, a builder name "
+    "('text', 'json', 'parquet', 'csv') with data_files, or path='embedded'"
+)
+
+
+def load_examples(config: DataConfig, *, cache_dir: str | os.PathLike | None = None) -> datasets.Dataset:
+    """The raw examples of ``config`` (its ``split``, at most ``max_examples`` of them), columns checked.
+
+    ``cache_dir`` is the root for everything this writes: the embedded assets go to ``<cache_dir>/embedded``
+    and the `datasets` cache to ``<cache_dir>/datasets``. Without it the embedded assets go to the default
+    (``$PP_OFFLOAD_CACHE`` or ``~/.cache/pp_offload``) and `datasets` uses its own default cache.
+    """
+    datasets_cache = str(Path(cache_dir) / "datasets") if cache_dir is not None else None
+    path = config.path
+    local = Path(path).expanduser()
+    if path == "embedded":
+        if config.data_files is not None:
+            raise DataError("data_files is not used with path='embedded'; use path='json' (or 'text', ...)")
+        assets = embedded_assets(embedded_dir(cache_dir))
+        dataset = _load_local("json", config, datasets_cache, data_files=str(assets.corpus_file))
+    elif path in BUILDERS:
+        if config.data_files is None:
+            raise DataError(f"the {path!r} builder needs data_files (a file, a glob or a list of files)")
+        dataset = _load_local(path, config, datasets_cache, data_files=config.data_files)
+    elif local.is_file():
+        dataset = _load_local(_builder_for(local), config, datasets_cache, data_files=str(local))
+    elif local.is_dir():
+        dataset = _load_local(str(local), config, datasets_cache, data_files=config.data_files)
+    elif _looks_local(path):
+        raise DataError(f"no such file or directory: {path!r}; {_HINT}")
+    else:
+        dataset = _load_from_hub(config, datasets_cache)
+    require_columns(dataset, config)
+    if config.max_examples is not None and config.max_examples < len(dataset):
+        dataset = dataset.select(range(config.max_examples))
+    return dataset
+
+
+def require_columns(dataset: datasets.Dataset, config: DataConfig) -> None:
+    """Raise a `DataError` naming the first missing column and the columns the dataset does have."""
+    for column in config.columns:
+        if column not in dataset.column_names:
+            role = "text_column" if not config.is_sft else "prompt_column/response_column"
+            raise DataError(
+                f"column {column!r} not found in dataset {config.path!r} (split {config.split!r}); "
+                f"its columns are {dataset.column_names}: set {role} to one of them"
+            )
+
+
+def _builder_for(file: Path) -> str:
+    suffixes = [s.lower() for s in file.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:
+        suffixes.pop()
+    if not suffixes or suffixes[-1] not in SUFFIX_BUILDERS:
+        raise DataError(
+            f"cannot tell the format of {str(file)!r} from its extension; supported: "
+            f"{', '.join(SUFFIX_BUILDERS)} (optionally compressed), or name the builder with path='json' "
+            "(etc.) and data_files"
+        )
+    return SUFFIX_BUILDERS[suffixes[-1]]
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user clearly meant as a file, so a missing one is a typo, not a hub name to look up."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    return path.startswith(("/", "./", "../", "~", ".\\")) or any(
+        s in SUFFIX_BUILDERS or s in _COMPRESSION_SUFFIXES for s in suffixes
+    )
+
+
+def _load_local(
+    builder: str, config: DataConfig, cache_dir: str | None, *, data_files: Any
+) -> datasets.Dataset:
+    import datasets
+
+    try:
+        return datasets.load_dataset(
+            builder, config.name, data_files=data_files, split=config.split, cache_dir=cache_dir
+        )
+    except Exception as error:  # datasets raises many types (FileNotFoundError, ValueError, ArrowInvalid...)
+        raise DataError(
+            f"could not load {config.path!r} (split {config.split!r}): {type(error).__name__}: {error}"
+        ) from error
+
+
+def _load_from_hub(config: DataConfig, cache_dir: str | None) -> datasets.Dataset:
+    import datasets
+
+    offline = bool(datasets.config.HF_HUB_OFFLINE)
+    unreachable = (
+        f"dataset {config.path!r} not found locally and the hub is unreachable"
+        f" ({'offline mode: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set' if offline else _endpoint()}); "
+        f"{_HINT}"
+    )
+    if not offline and not _hub_reachable():
+        # Fail now instead of after datasets' ~25 s of retries.
+        raise DataError(f"{unreachable} (to use a copy in your Hugging Face cache, set HF_HUB_OFFLINE=1)")
+    try:
+        return datasets.load_dataset(
+            config.path, config.name, data_files=config.data_files, split=config.split, cache_dir=cache_dir
+        )
+    except ConnectionError as error:  # includes huggingface_hub's OfflineModeIsEnabled
+        raise DataError(unreachable) from error
+    except datasets.exceptions.DatasetNotFoundError as error:
+        raise DataError(f"dataset {config.path!r} not found locally nor on the hub; {_HINT}") from error
+    except Exception as error:
+        raise DataError(
+            f"could not load dataset {config.path!r} from the hub: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds.
+
+    Behind a proxy a direct connection proves nothing, so then the answer is yes and `datasets` decides. The
+    connection runs in a daemon thread because name resolution ignores socket timeouts.
+    """
+    if any(os.environ.get(name) for name in _PROXY_VARS):
+        return True
+    url = urlparse(_endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    opened: list[bool] = []
+
+    def connect() -> None:
+        try:
+            with socket.create_connection((url.hostname, port), timeout=timeout):
+                opened.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=connect, daemon=True, name="hub-probe")
+    thread.start()
+    thread.join(timeout)
+    return bool(opened)

@@ -1,0 +1,301 @@
+"""Split a Hugging Face causal LM into pipeline stage modules that keep the model's parameter names.
+
+Why modules that keep the names: a stage's ``named_parameters()`` are exactly the unsplit model's
+(``model.layers.5.mlp.up_proj.weight``), so checkpoints (torch.distributed.checkpoint) and the final export
+map back to the Hugging Face model one to one, whatever the split and placement. Stages share the
+parameters with the model they were cut from: nothing is copied, and a weight tied between the input
+embedding and the LM head stays one ``Parameter`` when both ends land on one rank (V placement puts stages
+0 and 2d-1 on rank 0), so its gradient is the sum of both uses, as in the unsplit model.
+
+Only hidden states cross stage boundaries. Position ids and an optional attention mask are keyword
+arguments of ``schedule.step`` and reach every stage; each stage recomputes rotary embeddings and attention
+masks (cheap) exactly as the unsplit model does, with the mask kind chosen per layer from the config's
+``layer_types`` (sliding-window layers stay sliding-window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pp_offload.models.families import Family, UnsupportedModelError, family_of
+
+__all__ = ["CausalLMStage", "KeptLayers", "ModelSplit", "balanced_layers", "split_model"]
+
+
+class KeptLayers(nn.ModuleList):
+    """Some of a model's decoder layers, registered under their original indices.
+
+    A plain ``ModuleList`` would renumber them (``layers.0`` for the model's layer 5), and the stage's
+    parameter names would no longer be the model's. Iteration and positional indexing work as on a list.
+    """
+
+    def __init__(self, layers: Mapping[int, nn.Module]) -> None:
+        super().__init__()
+        for index, layer in sorted(layers.items()):
+            self.add_module(str(index), layer)
+
+    def __getitem__(self, idx: Any) -> Any:
+        return list(self._modules.values())[idx]
+
+    def indexed(self) -> list[tuple[int, nn.Module]]:
+        """``(original layer index, layer)`` pairs in order."""
+        return [(int(key), layer) for key, layer in self._modules.items()]
+
+
+def _trimmed(
+    model: nn.Module, family: Family, layer_ids: Iterable[int], first: bool, last: bool
+) -> nn.Module:
+    """A module tree holding the parts of ``model`` a stage (or a rank) needs, under the model's names."""
+    source = getattr(model, family.base)
+    layers = getattr(source, family.layers)
+    base = nn.Module()
+    if first:
+        for name in family.embeddings:
+            base.add_module(name, getattr(source, name))
+    base.add_module(family.layers, KeptLayers({i: layers[i] for i in layer_ids}))
+    if last:
+        base.add_module(family.norm, getattr(source, family.norm))
+    for name in family.shared:
+        base.add_module(name, getattr(source, name))
+    root = nn.Module()
+    root.add_module(family.base, base)
+    if last:
+        root.add_module(family.head, getattr(model, family.head))
+    return root
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline stage of a causal LM: ``forward(x, position_ids=None, attention_mask=None)``.
+
+    ``x`` is ``input_ids`` on the first stage and the previous stage's hidden states elsewhere; the last
+    stage returns logits, the others hidden states. Built by :func:`split_model`.
+    """
+
+    def __init__(
+        self, model: nn.Module, family: Family, stage_index: int, num_stages: int, layer_ids: Sequence[int]
+    ) -> None:
+        super().__init__()
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.layer_ids = tuple(layer_ids)
+        self._family = family
+        self._config = model.config
+        trimmed = _trimmed(model, family, layer_ids, self.is_first, self.is_last)
+        for name, child in trimmed.named_children():
+            self.add_module(name, child)
+
+    def extra_repr(self) -> str:
+        return f"stage {self.stage_index} of {self.num_stages}, layers {list(self.layer_ids)}"
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        base = getattr(self, self._family.base)
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        if self._family.kind == "gpt2":
+            hidden = self._gpt2(base, x, position_ids, attention_mask)
+        else:
+            hidden = self._decoder(base, x, position_ids, attention_mask)
+        if not self.is_last:
+            return hidden
+        hidden = getattr(base, self._family.norm)(hidden)
+        logits = getattr(self, self._family.head)(hidden)
+        softcap = getattr(self._config, "final_logit_softcapping", None)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+
+    def _decoder(
+        self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, mask: Any
+    ) -> torch.Tensor:
+        hidden = getattr(base, self._family.embeddings[0])(x) if self.is_first else x
+        masks = _attention_masks(self._config, self.layer_ids, hidden, mask, position_ids)
+        rotary = base.rotary_emb(hidden, position_ids)
+        for index, layer in getattr(base, self._family.layers).indexed():
+            out = layer(
+                hidden,
+                attention_mask=masks[_layer_type(self._config, index)],
+                position_embeddings=rotary,
+                position_ids=position_ids,
+                past_key_values=None,
+                use_cache=False,
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def _gpt2(self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, mask: Any) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        hidden = base.drop(base.wte(x) + base.wpe(position_ids)) if self.is_first else x
+        causal = create_causal_mask(
+            config=self._config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        for _, block in getattr(base, self._family.layers).indexed():
+            out = block(hidden, None, causal, use_cache=False, position_ids=position_ids)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+
+def _layer_type(config: Any, index: int) -> str:
+    """The attention kind of layer ``index``, decided as the unsplit model decides it."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+def _attention_masks(
+    config: Any, layer_ids: Sequence[int], hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor
+) -> dict[str, Any]:
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    masks: dict[str, Any] = {}
+    for kind in {_layer_type(config, i) for i in layer_ids}:
+        if kind not in builders:
+            raise UnsupportedModelError(f"layer attention type {kind!r} is not supported by the stage split")
+        masks[kind] = builders[kind](
+            config=config,
+            inputs_embeds=hidden,
+            attention_mask=mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+    return masks
+
+
+@dataclass
+class ModelSplit:
+    """This rank's part of a split model.
+
+    ``stages`` maps stage index -> :class:`CausalLMStage` for the stages this rank holds;
+    ``module`` holds all of them together under the model's parameter names (one entry per parameter,
+    tied weights once): give it to the optimizer, to ``torch.distributed.checkpoint`` and to the export.
+    ``layers_per_stage`` is the split of the whole model.
+    """
+
+    stages: dict[int, CausalLMStage]
+    module: nn.Module
+    layers_per_stage: list[int]
+    family: Family
+
+    @property
+    def stage_indices(self) -> list[int]:
+        return list(self.stages)
+
+
+def balanced_layers(num_layers: int, num_stages: int, *, first_extra: float, last_extra: float) -> list[int]:
+    """Layers per stage, contiguous, minimising the heaviest stage's work in layer units.
+
+    ``first_extra`` / ``last_extra`` are the work of the embedding and of the final norm + LM head, in
+    layer units; every stage gets at least one layer. Ties go to the split that keeps the first and last
+    stages lightest (they also hold the embedding / head memory).
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_layers < num_stages:
+        raise ValueError(
+            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages: use fewer "
+            "pipeline ranks or stages per rank, or a model with more layers"
+        )
+    extra = [0.0] * num_stages
+    extra[0] += first_extra
+    extra[-1] += last_extra
+    best: tuple[float, float, list[int]] | None = None
+    total = num_layers + first_extra + last_extra
+    # the heaviest stage is at least total / num_stages; try caps upwards in steps that change the answer
+    candidates = sorted({n + e for n in range(1, num_layers + 1) for e in (0.0, first_extra, last_extra)})
+    for cap in (c for c in candidates if c >= total / num_stages - 1e-9):
+        split = _fill(num_layers, num_stages, extra, cap)
+        if split is None:
+            continue
+        ends = (split[0] + extra[0]) + (split[-1] + extra[-1])
+        best = (cap, ends, split)
+        break
+    assert best is not None  # the cap num_layers + max extra always fits
+    return best[2]
+
+
+def _fill(num_layers: int, num_stages: int, extra: list[float], cap: float) -> list[int] | None:
+    """Greedy from the back (keeps the last stage light): layers per stage with each stage's load <= cap."""
+    split = [0] * num_stages
+    left = num_layers
+    for s in range(num_stages - 1, -1, -1):
+        stages_before = s
+        room = int(cap - extra[s] + 1e-9)
+        take = min(room, left - stages_before)
+        if take < 1:
+            return None
+        split[s] = take
+        left -= take
+    return split if left == 0 else None
+
+
+def _head_work(model: nn.Module, family: Family) -> float:
+    """Work of the LM head (and of the embedding) in decoder-layer units: parameters over a layer's.
+
+    The head's matmul has as many multiply-adds per token as it has parameters, like a layer's linear
+    maps; the embedding's lookup is cheap but its gradient and optimizer update are the same size.
+    """
+    layers = getattr(getattr(model, family.base), family.layers)
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    head = getattr(model, family.head).weight.numel()
+    return head / max(per_layer, 1)
+
+
+def split_model(
+    model: nn.Module,
+    *,
+    num_stages: int,
+    stage_indices: Sequence[int],
+    layers_per_stage: Sequence[int] | None = None,
+) -> ModelSplit:
+    """Cut a transformers causal LM into ``num_stages`` stages and return the ones in ``stage_indices``.
+
+    ``layers_per_stage`` overrides the automatic split (contiguous layers, balanced with the embedding and
+    the LM head counted as work). Put the model in train mode and on its device before or after; the stages
+    share its parameters.
+    """
+    family = family_of(model)
+    if family.kind == "decoder" and len(family.embeddings) != 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: expected one input embedding before 'layers', got {family.embeddings}"
+        )
+    layers = getattr(getattr(model, family.base), family.layers)
+    num_layers = len(layers)
+    bad = [s for s in stage_indices if not 0 <= s < num_stages]
+    if bad or len(set(stage_indices)) != len(stage_indices):
+        raise ValueError(f"stage_indices {list(stage_indices)} must be distinct and in [0, {num_stages})")
+    if layers_per_stage is None:
+        extra = _head_work(model, family)
+        split = balanced_layers(num_layers, num_stages, first_extra=extra, last_extra=extra)
+    else:
+        split = [int(n) for n in layers_per_stage]
+        if len(split) != num_stages or sum(split) != num_layers or min(split) < 0:
+            raise ValueError(
+                f"layers_per_stage {split} must have {num_stages} non-negative entries summing to the "
+                f"model's {num_layers} layers"
+            )
+    starts = [sum(split[:s]) for s in range(num_stages)]
+    stages = {
+        s: CausalLMStage(model, family, s, num_stages, range(starts[s], starts[s] + split[s]))
+        for s in stage_indices
+    }
+    held = sorted(i for stage in stages.values() for i in stage.layer_ids)
+    module = _trimmed(model, family, held, 0 in stages, num_stages - 1 in stages)
+    return ModelSplit(stages=stages, module=module, layers_per_stage=split, family=family)

@@ -1,0 +1,153 @@
+"""Training checkpoints (torch.distributed.checkpoint), written beside the previous one, switched atomically.
+
+Layout under ``<dir>/checkpoints``::
+
+    step_00000020/        a complete checkpoint (DCP files of every rank, rng_<rank>.pt, meta.json)
+    step_00000040.partial being written; never read
+    latest.json           {"step": 20, "dir": "step_00000020"}: replaced atomically once a checkpoint is whole
+
+Why DCP: every pipeline rank saves only what it holds, under the model's own parameter names, so the
+checkpoint is independent of which rank held what. Why the pointer file: a job killed while saving leaves
+the previous ``latest`` untouched; old checkpoints are removed only after the new pointer is in place.
+Per-rank RNG states are saved too, so a resumed run draws the same random numbers (dropout) as an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from pp_offload.fsutil import partial_dir, publish_dir, write_text_atomic
+
+__all__ = ["CheckpointError", "latest_step", "load_checkpoint", "save_checkpoint"]
+
+_LATEST = "latest.json"
+# Flattened optimizer state: every entry (param_groups included) is keyed by parameter name. The nested
+# form keeps one "param_groups" list per rank under the same key, and DCP would load rank 0's list on
+# every pipeline rank.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read; the message says which and why."""
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes a single process when there is no group: that is our intent then."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def save_checkpoint(
+    root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, *, keep: int = 2
+) -> Path:
+    """Save model and optimizer state of every rank for ``step``; call on every rank."""
+    root = Path(root)
+    final = _step_dir(root, step)
+    scratch = partial_dir(final)
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if scratch.exists():
+            shutil.rmtree(scratch)
+    _barrier()
+    model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
+    with _quiet_single_process():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(scratch))
+    torch.save(_rng_state(), scratch / f"rng_{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        (scratch / "meta.json").write_text(json.dumps({"step": step}) + "\n")
+        publish_dir(scratch, final)
+        write_text_atomic(root / _LATEST, json.dumps({"step": step, "dir": final.name}) + "\n")
+        complete = _complete(root)
+        for old in complete[: -max(keep, 1)]:
+            shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def _complete(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (zero-padded names sort by step)."""
+    return sorted(
+        p for p in root.glob("step_*") if p.is_dir() and "." not in p.name and (p / "meta.json").is_file()
+    )
+
+
+def latest_step(root: str | Path) -> int | None:
+    """The step of the newest complete checkpoint under ``root``, or None."""
+    pointer = Path(root) / _LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        return int(json.loads(pointer.read_text())["step"])
+    except (ValueError, KeyError) as error:
+        raise CheckpointError(
+            f"{pointer} is unreadable ({error}); delete it or point it at a step_* dir"
+        ) from error
+
+
+def load_checkpoint(root: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load the latest checkpoint under ``root`` into ``module`` and ``optimizer``; return its step."""
+    root = Path(root)
+    step = latest_step(root)
+    if step is None:
+        raise CheckpointError(f"no checkpoint under {root} (no {_LATEST}); start without resume")
+    where = _step_dir(root, step)
+    if not (where / "meta.json").is_file():
+        raise CheckpointError(f"{_LATEST} names step {step} but {where} is missing or incomplete")
+    model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
+    state = {"model": model_state, "optim": optim_state}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(where))
+    set_state_dict(
+        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
+    )
+    rng = where / f"rng_{_rank()}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return step
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

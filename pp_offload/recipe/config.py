@@ -1,0 +1,186 @@
+"""The fine-tuning recipe's configuration: dataclasses read from YAML, with ``--set key=value`` overrides.
+
+Why dataclasses and a strict reader: a typo in a YAML key (``micro_batches``) would otherwise be ignored
+and the run would train with the default. Every section and key is checked against the dataclasses, and an
+unknown one is an error naming the closest valid key, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pp_offload.data import DataConfig
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "OutputConfig",
+    "PipelineConfig",
+    "RecipeConfig",
+    "TrainConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A bad recipe configuration; the message names the key, the bad value and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """The model: ``path`` (hub id or local directory) or ``config`` (a transformers config as a dict, with
+    ``model_type``: a randomly initialised model, e.g. the embedded tiny Llama). ``tokenizer`` defaults to
+    ``path``; with ``config`` and the embedded data it is the locally trained tokenizer."""
+
+    path: str | None = None
+    config: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class PipelineConfig:
+    """How the model is pipelined: any of our schedules or torch's (see ``pp_offload.runtime.catalog``)."""
+
+    schedule: str = "ScheduleVHalf"
+    microbatches: int = 8
+    pp: int | None = None  # pipeline ranks; default: the world size (divided by dp)
+    dp: int = 1
+    stages_per_rank: int | None = None  # loop schedules only (default 2)
+    layers_per_stage: list[int] | None = None
+    offload: Any = "none"
+    memory_limit: float | None = None  # ScheduleVAdaptive only
+    costs: dict[str, float] | None = None  # relative F/I/W durations for our schedules
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: AdamW, linear warm-up then cosine (or constant) decay, clipping by the global norm."""
+
+    steps: int = 40
+    global_batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float | None = 1.0
+    precision: str = "fp32"  # fp32 | bf16 (autocast; parameters and optimizer state stay fp32)
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    timeout_s: float = 600.0  # collective timeout: a stuck rank fails the job instead of hanging it
+
+
+@dataclass
+class OutputConfig:
+    """Where results go: checkpoints (torch.distributed.checkpoint), the HF export, metrics."""
+
+    dir: str = "runs/finetune"
+    save_every: int = 0  # steps between checkpoints; 0: only at the end
+    keep: int = 2  # checkpoints kept (older ones are deleted after a new one is complete)
+    resume: bool = False  # continue from dir/checkpoints/latest when there is one
+    export: bool = True  # write an HF model (safetensors + config + tokenizer) to dir/export at the end
+    log_every: int = 1
+    metrics: list[str] = field(default_factory=lambda: ["csv"])  # csv and/or tensorboard
+
+
+@dataclass
+class RecipeConfig:
+    """The whole recipe configuration (YAML sections ``model``, ``data``, ``pipeline``, ``train``,
+    ``output``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, where: str = "config") -> RecipeConfig:
+        """Build and validate a config from nested dicts (as read from YAML)."""
+        return _build(data, where)
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(RecipeConfig)}
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {match[0]!r}?)" if match else f" (valid: {', '.join(options)})"
+
+
+def _section_class(section: str) -> type:
+    return {
+        "model": ModelConfig,
+        "data": DataConfig,
+        "pipeline": PipelineConfig,
+        "train": TrainConfig,
+        "output": OutputConfig,
+    }[section]
+
+
+def _build(data: dict[str, Any], where: str) -> RecipeConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{where}: the configuration must be a mapping of sections, got {type(data).__name__}"
+        )
+    sections: dict[str, Any] = {}
+    for section, values in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{where}: unknown section {section!r}{_closest(section, list(_SECTIONS))}")
+        cls = _section_class(section)
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: section {section!r} must be a mapping, got {values!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in names:
+                raise ConfigError(f"{where}: unknown key {section}.{key}{_closest(key, names)}")
+        sections[section] = cls(**values)
+    config = RecipeConfig(**sections)
+    if isinstance(config.train.betas, list):
+        config.train.betas = tuple(config.train.betas)
+    return config
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
+) -> RecipeConfig:
+    """Read a YAML recipe config (or start from the defaults) and apply ``section.key=value`` overrides."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: the configuration must be a mapping of sections")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=10)")
+        data.setdefault(parts[0], {})
+        if data[parts[0]] is None:
+            data[parts[0]] = {}
+        data[parts[0]][parts[1]] = _parse_value(value)
+    return _build(data, where)

@@ -1,0 +1,322 @@
+"""The pieces a recipe run is built from: process group, model, tokenizer, pipeline.
+
+Why separate from the training loop: each piece validates its own input and fails with a clear error
+before any collective call, so a bad configuration stops every rank the same way instead of leaving some
+ranks waiting in a collective for a rank that already died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pp_offload.models import ModelSplit, TokenCrossEntropy, split_model
+from pp_offload.recipe.config import ConfigError, RecipeConfig
+from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
+
+__all__ = [
+    "Pipeline",
+    "Topology",
+    "build_pipeline",
+    "device_for",
+    "init_process_group",
+    "load_model",
+    "load_tokenizer",
+    "num_layers_of",
+    "preflight",
+    "topology",
+]
+
+_OURS_ONLY = ("costs", "memory_limit")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: ``rank`` of ``world`` processes, ``pp`` pipeline ranks x ``dp`` replicas."""
+
+    rank: int
+    world: int
+    local_rank: int
+    pp: int
+    dp: int
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.pp
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def topology(config: RecipeConfig) -> Topology:
+    """Read rank and world size from the launcher's environment (torchrun, accelerate launch) and check them
+    against the config's pipeline and data-parallel sizes."""
+    if dist.is_available() and dist.is_initialized():  # the caller made the group (tests, notebooks)
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dp = int(config.pipeline.dp)
+    if dp < 1:
+        raise ConfigError(f"pipeline.dp must be >= 1, got {dp}")
+    pp = config.pipeline.pp if config.pipeline.pp is not None else world // dp
+    if pp < 1 or pp * dp != world:
+        raise ConfigError(
+            f"world size {world} is not pipeline.pp x pipeline.dp = {config.pipeline.pp} x {dp}: launch "
+            f"{max(pp, 1) * dp} processes or change pipeline.pp / pipeline.dp"
+        )
+    if dp != 1:
+        raise ConfigError(
+            "pipeline.dp > 1 (pipeline x data parallel) is not supported yet; use pipeline.dp=1"
+        )
+    return Topology(rank=rank, world=world, local_rank=local_rank, pp=pp, dp=dp)
+
+
+def device_for(config: RecipeConfig, topo: Topology) -> torch.device:
+    """``train.device``: ``auto`` picks this rank's GPU when there is one, else the CPU."""
+    choice = config.train.device
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device must be auto, cpu or cuda, got {choice!r}")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(topo.local_rank)
+    return torch.device("cuda", topo.local_rank)
+
+
+def init_process_group(config: RecipeConfig, topo: Topology, device: torch.device) -> bool:
+    """Join the job's process group (gloo on CPU, NCCL on CUDA) with the configured collective timeout.
+
+    Returns whether it created the group (and so should destroy it at the end)."""
+    if not topo.distributed or dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(config.train.timeout_s)))
+    return True
+
+
+def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None) -> Any:
+    """The tokenizer: ``model.tokenizer``, else ``model.path``, else the embedded one."""
+    from transformers import AutoTokenizer
+
+    source = config.model.tokenizer or config.model.path
+    if source is None:
+        if embedded_tokenizer is None:
+            raise ConfigError(
+                "no tokenizer: set model.tokenizer (or model.path) when the data is not the embedded corpus"
+            )
+        source = str(embedded_tokenizer)
+    return AutoTokenizer.from_pretrained(source)
+
+
+def load_model(config: RecipeConfig, tokenizer: Any) -> nn.Module:
+    """The causal LM on the CPU in fp32: from ``model.path``, or randomly initialised from ``model.config``.
+
+    Every rank builds the same model (same seed); each then keeps the stages it holds. The vocabulary of
+    a config-only model defaults to the tokenizer's.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = config.model
+    if (spec.path is None) == (spec.config is None):
+        raise ConfigError("set exactly one of model.path (hub id or local dir) and model.config (a dict)")
+    torch.manual_seed(config.train.seed)
+    kwargs = {"attn_implementation": spec.attn_implementation, "dtype": torch.float32}
+    if spec.path is not None:
+        return AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+    values = dict(spec.config)
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
+    values.setdefault("vocab_size", len(tokenizer))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        values.setdefault(key, getattr(tokenizer, key, None))
+    hf_config = AutoConfig.for_model(model_type, **values)
+    return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+
+
+@dataclass
+class Pipeline:
+    """This rank's share of the pipelined model: stages, schedule, loss and the tied-weight fix-up."""
+
+    info: ScheduleInfo
+    split: ModelSplit
+    schedule: Any
+    loss_fn: TokenCrossEntropy
+    tied: _TiedAcrossRanks | None
+    has_first: bool
+    has_last: bool
+
+    @property
+    def module(self) -> nn.Module:
+        return self.split.module
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """Parameters whose gradients this rank counts in the global norm (a tied copy counts once)."""
+        skip = self.tied.skip_in_norm() if self.tied is not None else set()
+        return [p for p in self.module.parameters() if id(p) not in skip]
+
+
+class _TiedAcrossRanks:
+    """An input embedding tied to the LM head when the first and last stages sit on different ranks.
+
+    Each of the two ranks holds its own copy; after backward the copies' gradients are summed between the
+    two ranks, so both take the same optimizer step and stay equal, exactly as the one shared weight of the
+    unsplit model would. The last-stage copy is left out of the gradient norm and of the export.
+    """
+
+    def __init__(self, model: nn.Module, split: ModelSplit, topo: Topology, num_stages: int, placement: str):
+        first_rank = 0
+        last_rank = _rank_of(num_stages - 1, topo.pp, placement)
+        self.group = dist.new_group([first_rank, last_rank]) if first_rank != last_rank else None
+        self.weight: nn.Parameter | None = None
+        self.is_copy = False
+        if 0 in split.stages:
+            self.weight = model.get_input_embeddings().weight
+        elif num_stages - 1 in split.stages:
+            self.weight = model.get_output_embeddings().weight
+            self.is_copy = True
+
+    def sync_grads(self) -> None:
+        if self.group is None or self.weight is None:
+            return
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        dist.all_reduce(self.weight.grad, group=self.group)
+
+    def skip_in_norm(self) -> set[int]:
+        return {id(self.weight)} if self.is_copy and self.weight is not None else set()
+
+
+def _rank_of(stage: int, pp: int, placement: str) -> int:
+    if placement == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> ScheduleInfo:
+    """Every check that needs no process group: schedule name, batch split, layers vs stages, options.
+
+    Run on every rank before joining the group, so a bad config stops all ranks alike, at once.
+    """
+    spec = config.pipeline
+    try:
+        info = schedule_info(spec.schedule)
+        per_rank = info.stages_per_rank(spec.stages_per_rank)
+    except ValueError as error:
+        raise ConfigError(f"pipeline.schedule / pipeline.stages_per_rank: {error}") from error
+    num_stages = topo.pp * per_rank
+    if spec.microbatches < 1:
+        raise ConfigError(f"pipeline.microbatches must be >= 1, got {spec.microbatches}")
+    local_batch = config.train.global_batch_size // topo.dp
+    if config.train.global_batch_size % topo.dp or local_batch % spec.microbatches:
+        raise ConfigError(
+            f"train.global_batch_size={config.train.global_batch_size} must split into pipeline.dp="
+            f"{topo.dp} replicas x pipeline.microbatches={spec.microbatches} microbatches; pick a batch "
+            f"size that is a multiple of {topo.dp * spec.microbatches}"
+        )
+    if info.module != "pp_offload.runtime.schedules":
+        given = [key for key in _OURS_ONLY if getattr(spec, key) is not None]
+        if given:
+            raise ConfigError(f"pipeline.{given[0]} applies to pp_offload's schedules only, not {info.name}")
+    if (spec.memory_limit is not None) != (info.name == "ScheduleVAdaptive"):
+        raise ConfigError(
+            "pipeline.memory_limit (a fraction of 1F1B's activation memory, e.g. 0.5) goes with "
+            f"pipeline.schedule=ScheduleVAdaptive and only with it (schedule: {info.name}, "
+            f"memory_limit: {spec.memory_limit})"
+        )
+    if num_layers is not None and num_layers < num_stages:
+        raise ConfigError(
+            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
+            f"({topo.pp} ranks x {per_rank} stages per rank for {info.name}): use fewer pipeline ranks, "
+            "a V schedule or fewer stages per rank, or a model with more layers"
+        )
+    if spec.layers_per_stage is not None and len(spec.layers_per_stage) != num_stages:
+        raise ConfigError(
+            f"pipeline.layers_per_stage has {len(spec.layers_per_stage)} entries but there are {num_stages} "
+            "stages"
+        )
+    if spec.offload not in (None, "none") and not info.multi_stage:
+        raise ConfigError(
+            f"pipeline.offload needs a multi-stage schedule; {info.name} is single-stage: use e.g. "
+            "ScheduleVHalf or ScheduleInterleaved1F1B"
+        )
+    return info
+
+
+def num_layers_of(config: RecipeConfig) -> int | None:
+    """The model's layer count from its config alone (no weights loaded), or None if it cannot be read."""
+    from transformers import AutoConfig
+
+    spec = config.model
+    if spec.config is not None:
+        values = dict(spec.config)
+        model_type = values.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
+        values.pop("vocab_size", None)
+        hf_config = AutoConfig.for_model(model_type, **values)
+    elif spec.path is not None:
+        hf_config = AutoConfig.from_pretrained(spec.path)
+    else:
+        raise ConfigError("set model.path (hub id or local dir) or model.config (a dict with model_type)")
+    return getattr(hf_config, "num_hidden_layers", None)
+
+
+def build_pipeline(config: RecipeConfig, model: nn.Module, topo: Topology, device: torch.device) -> Pipeline:
+    """Split ``model`` for this rank, build its ``PipelineStage``s and the configured schedule."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from pp_offload.runtime.offload import enable_offload
+
+    spec = config.pipeline
+    info = schedule_info(spec.schedule)
+    per_rank = info.stages_per_rank(spec.stages_per_rank)
+    num_stages = topo.pp * per_rank
+    offload = spec.offload not in (None, "none")
+    model.train()
+    split = split_model(
+        model,
+        num_stages=num_stages,
+        stage_indices=stage_indices(topo.pp_rank, topo.pp, info.placement, per_rank),
+        layers_per_stage=spec.layers_per_stage,
+    )
+    split.module.to(device)
+    tied = None
+    if bool(getattr(model.config, "tie_word_embeddings", False)) and info.placement != "v":
+        tied = _TiedAcrossRanks(model, split, topo, num_stages, info.placement)
+    stages = [PipelineStage(split.stages[s], s, num_stages, device) for s in split.stage_indices]
+    loss_fn = TokenCrossEntropy()
+    kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+    if info.module == "pp_offload.runtime.schedules":
+        kwargs["costs"] = spec.costs
+        if spec.memory_limit is not None:
+            kwargs["memory_limit"] = spec.memory_limit
+        if offload:
+            kwargs["offload"] = spec.offload
+    schedule = build_schedule(info, stages, spec.microbatches, **kwargs)
+    if info.module != "pp_offload.runtime.schedules" and offload:
+        enable_offload(schedule, spec.offload, device=device)
+    return Pipeline(
+        info=info,
+        split=split,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        tied=tied,
+        has_first=0 in split.stages,
+        has_last=num_stages - 1 in split.stages,
+    )

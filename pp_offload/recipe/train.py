@@ -1,0 +1,374 @@
+"""The fine-tuning loop of ``recipes/finetune.py``: one function every rank runs.
+
+A step: take this data-parallel rank's slice of the global batch (a pure function of the step, so resume is
+exact), tell the loss the global target-token count, run the pipeline schedule (or, with one process, the
+unsplit model on the same microbatches: the reference the pipelined run must reproduce), sum a tied
+weight's gradient across ranks when the two ends sit apart, clip by the norm over every pipeline rank,
+step AdamW. Rank 0 shows a progress bar and logs loss, tokens/s, learning rate and peak memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import inspect
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pp_offload.data import DataConfig, PackedBatches, embedded_assets, load_examples, pack_examples
+from pp_offload.models import TokenCrossEntropy, export_pretrained
+from pp_offload.recipe.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from pp_offload.recipe.config import ConfigError, RecipeConfig
+from pp_offload.recipe.parts import (
+    Pipeline,
+    Topology,
+    build_pipeline,
+    device_for,
+    init_process_group,
+    load_model,
+    load_tokenizer,
+    num_layers_of,
+    preflight,
+    topology,
+)
+
+__all__ = ["RunResult", "run"]
+
+
+@dataclass
+class RunResult:
+    """What a run did: per-step losses (every rank has them), where it wrote, the step it resumed from."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    resumed_from: int | None = None
+    export_dir: Path | None = None
+    output_dir: Path | None = None
+    schedule: str = ""
+    tokens_per_s: float = 0.0
+
+
+def _lr_at(config: RecipeConfig, step: int) -> float:
+    """Linear warm-up to ``train.lr``, then cosine (or constant) down to ``lr * min_lr_ratio``."""
+    train = config.train
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    if train.lr_schedule == "constant":
+        return train.lr
+    span = max(train.steps - train.warmup_steps, 1)
+    progress = min((step - train.warmup_steps) / span, 1.0)
+    floor = train.lr * train.min_lr_ratio
+    return floor + (train.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _check(config: RecipeConfig) -> None:
+    train = config.train
+    if train.steps < 1:
+        raise ConfigError(f"train.steps must be >= 1, got {train.steps}")
+    if train.lr_schedule not in ("cosine", "constant"):
+        raise ConfigError(f"train.lr_schedule must be cosine or constant, got {train.lr_schedule!r}")
+    if train.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"train.precision must be fp32 or bf16, got {train.precision!r}")
+    unknown = set(config.output.metrics) - {"csv", "tensorboard"}
+    if unknown:
+        raise ConfigError(f"output.metrics may hold csv and tensorboard, got {sorted(unknown)}")
+
+
+def _data(config: RecipeConfig, topo: Topology, cache: Path) -> tuple[Any, PackedBatches, Path | None]:
+    """Tokenizer and batches (every rank; the embedded assets and datasets' cache are safe to share)."""
+    data: DataConfig = config.data
+    tokenizer_dir = None
+    if data.path == "embedded":
+        tokenizer_dir = embedded_assets(cache / "embedded").tokenizer_dir
+    tokenizer = load_tokenizer(config, tokenizer_dir)
+    examples = load_examples(data, cache_dir=cache / "datasets")
+    packed = pack_examples(examples, tokenizer, data)
+    batches = PackedBatches(
+        packed, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=config.train.seed
+    )
+    return tokenizer, batches, tokenizer_dir
+
+
+def _peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def _autocast(config: RecipeConfig, device: torch.device) -> Any:
+    if config.train.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _step_kwargs(schedule: Any) -> dict[str, Any]:
+    if "return_outputs" in inspect.signature(schedule.step).parameters:
+        return {"return_outputs": False}  # the last stage's logits are not needed: losses are
+    return {}
+
+
+class _Reference:
+    """One process, no pipeline: the unsplit model on the same microbatches, summed like the pipeline."""
+
+    def __init__(self, model: nn.Module, microbatches: int) -> None:
+        self.model = model
+        self.microbatches = microbatches
+        self.loss_fn = TokenCrossEntropy()
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        total = 0.0
+        chunks = zip(
+            *(batch[k].tensor_split(self.microbatches) for k in ("input_ids", "labels", "position_ids")),
+            strict=True,
+        )
+        for input_ids, labels, position_ids in chunks:
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            loss = self.loss_fn(logits, labels)
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+
+def _global_norm(parameters: list[nn.Parameter], distributed: bool) -> torch.Tensor:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        local += grad.detach().double().pow(2).sum().cpu()
+    if distributed:
+        dist.all_reduce(local)
+    return local.sqrt()
+
+
+class _Metrics:
+    """CSV and (optionally) TensorBoard metrics on rank 0."""
+
+    def __init__(self, config: RecipeConfig, out: Path, resumed: bool) -> None:
+        self.csv_file = None
+        self.tensorboard = None
+        if "csv" in config.output.metrics:
+            path = out / "metrics.csv"
+            new = not (resumed and path.exists())
+            self.csv_file = path.open("w" if new else "a", newline="")
+            self.writer = csv.writer(self.csv_file)
+            if new:
+                self.writer.writerow(["step", "loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_mib"])
+        if "tensorboard" in config.output.metrics:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ConfigError(
+                    "output.metrics includes tensorboard but the tensorboard package is not installed: "
+                    "pip install tensorboard, or use output.metrics=[csv]"
+                ) from error
+            self.tensorboard = SummaryWriter(str(out / "tensorboard"))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if self.csv_file is not None:
+            self.writer.writerow(
+                [
+                    step,
+                    *(
+                        f"{values[k]:.6g}"
+                        for k in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_mib")
+                    ),
+                ]
+            )
+            self.csv_file.flush()
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                self.tensorboard.add_scalar(f"train/{key}", value, step)
+
+    def close(self) -> None:
+        if self.csv_file is not None:
+            self.csv_file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def run(
+    config: RecipeConfig, *, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
+) -> RunResult:
+    """Run the recipe on this process (call it on every rank of a torchrun / accelerate launch job)."""
+    _check(config)
+    topo = topology(config)
+    device = device_for(config, topo)
+    out = Path(config.output.dir)
+    cache = Path(cache_dir) if cache_dir is not None else out / "cache"
+    if topo.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    preflight(config, topo, num_layers_of(config) if topo.distributed else None)
+    data = _data(config, topo, cache)  # before the group exists: a bad dataset stops every rank alike
+    created = init_process_group(config, topo, device)
+    try:
+        return _run(config, topo, device, out, cache, progress, data)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(
+    config: RecipeConfig,
+    topo: Topology,
+    device: torch.device,
+    out: Path,
+    cache: Path,
+    progress: bool,
+    data: tuple[Any, PackedBatches, Path | None],
+) -> RunResult:
+    tokenizer, batches, _ = data
+    model = load_model(config, tokenizer)
+    pipeline: Pipeline | None = None
+    reference: _Reference | None = None
+    if topo.distributed:
+        pipeline = build_pipeline(config, model, topo, device)
+        module = pipeline.module
+        norm_params = pipeline.norm_parameters()
+    else:
+        if config.pipeline.pp not in (None, 1):
+            raise ConfigError(
+                f"pipeline.pp={config.pipeline.pp} needs that many processes; launch with torchrun"
+            )
+        model.to(device).train()
+        reference = _Reference(model, config.pipeline.microbatches)
+        module = model
+        norm_params = list(model.parameters())
+    train = config.train
+    optimizer = torch.optim.AdamW(
+        module.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
+    )
+    ckpt_root = out / "checkpoints"
+    start = 0
+    result = RunResult(output_dir=out, schedule=pipeline.info.name if pipeline else "single process")
+    if config.output.resume and latest_step(ckpt_root) is not None:
+        start = load_checkpoint(ckpt_root, module, optimizer)
+        result.resumed_from = start
+    metrics = _Metrics(config, out, resumed=start > 0) if topo.rank == 0 else None
+    bar = None
+    if topo.rank == 0 and progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=train.steps, initial=start, desc=f"fine-tune ({result.schedule})", unit="step")
+    tokens_seen, time_spent = 0, 0.0
+    try:
+        for step in range(start, train.steps):
+            batch = {k: v.to(device) for k, v in batches.batch(step).items()}
+            lr = _lr_at(config, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            began = time.perf_counter()
+            with _autocast(config, device):
+                if pipeline is not None:
+                    loss = _pipeline_step(pipeline, batch)
+                else:
+                    reference.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
+                    loss = reference.step(batch)
+            if pipeline is not None and pipeline.tied is not None:
+                pipeline.tied.sync_grads()
+            norm = _global_norm(norm_params, topo.distributed)
+            if train.max_grad_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(module.parameters(), train.max_grad_norm, norm)
+            optimizer.step()
+            elapsed = time.perf_counter() - began
+            tokens = int(batch["input_ids"].numel()) * topo.dp
+            tokens_seen += tokens
+            time_spent += elapsed
+            result.losses.append(loss)
+            result.grad_norms.append(float(norm))
+            values = {
+                "loss": loss,
+                "grad_norm": float(norm),
+                "lr": lr,
+                "tokens_per_s": tokens / elapsed,
+                "peak_memory_mib": _peak_memory_mib(device),
+            }
+            if metrics is not None:
+                metrics.log(step + 1, values)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                if config.output.log_every and (step + 1) % config.output.log_every == 0:
+                    line = (
+                        f"step {step + 1}/{train.steps}  loss {loss:.4f}  grad_norm {float(norm):.3f}  "
+                        f"lr {lr:.2e}  tokens/s {values['tokens_per_s']:.0f}  "
+                        f"peak_mem {values['peak_memory_mib']:.0f} MiB"
+                    )
+                    (bar.write if bar is not None else print)(line)
+            every = config.output.save_every
+            if every and (step + 1) % every == 0 and step + 1 < train.steps:
+                save_checkpoint(ckpt_root, step + 1, module, optimizer, keep=config.output.keep)
+        if start < train.steps:
+            save_checkpoint(ckpt_root, train.steps, module, optimizer, keep=config.output.keep)
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+    result.tokens_per_s = tokens_seen / time_spent if time_spent else 0.0
+    if config.output.export:
+        result.export_dir = _export(config, model, pipeline, module, tokenizer, out)
+    if topo.rank == 0:
+        summary = {
+            "losses": result.losses,
+            "grad_norms": result.grad_norms,
+            "schedule": result.schedule,
+            "resumed_from": result.resumed_from,
+            "tokens_per_s": result.tokens_per_s,
+            "export_dir": str(result.export_dir) if result.export_dir else None,
+            "config": config.to_dict(),
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return result
+
+
+def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> float:
+    """One schedule step; returns the step's loss (summed over microbatches) on every rank."""
+    pipeline.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
+    losses: list[torch.Tensor] = []
+    kwargs = _step_kwargs(pipeline.schedule)
+    args = (batch["input_ids"],) if pipeline.has_first else ()
+    target = batch["labels"] if pipeline.has_last else None
+    pipeline.schedule.step(*args, target=target, losses=losses, position_ids=batch["position_ids"], **kwargs)
+    local = torch.stack([loss.detach().float() for loss in losses]).sum().cpu() if losses else torch.zeros(())
+    dist.all_reduce(local)
+    return float(local)
+
+
+def _export(
+    config: RecipeConfig,
+    model: nn.Module,
+    pipeline: Pipeline | None,
+    module: nn.Module,
+    tokenizer: Any,
+    out: Path,
+) -> Path:
+    target = out / "export"
+    if pipeline is not None and pipeline.tied is not None and pipeline.tied.is_copy:
+        # the last stage's copy of a tied weight is not saved (the first stage's is)
+        module = _without(module, "lm_head.weight")
+    return export_pretrained(module, model.config, target, tokenizer=tokenizer)
+
+
+class _StateDictView(nn.Module):
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._state = state
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return dict(self._state)
+
+
+def _without(module: nn.Module, key: str) -> nn.Module:
+    return _StateDictView({k: v for k, v in module.state_dict().items() if k != key})

@@ -1,0 +1,174 @@
+"""The fine-tuning recipe end to end: pipelined runs on 2 gloo ranks reproduce single-process training,
+resume reproduces an uninterrupted run, the export loads with from_pretrained, bad configs fail early."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_on_ranks
+
+from pp_offload.recipe import ConfigError, RecipeConfig, load_config
+from pp_offload.recipe.parts import Topology, preflight
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+}
+GPT2 = {
+    "model_type": "gpt2",
+    "n_embd": 32,
+    "n_layer": 4,
+    "n_head": 4,
+    "n_positions": 64,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
+REL, ABS = 1e-5, 1e-6  # fp32; pipelined and single-process runs sum microbatch grads in other orders
+
+
+def _config(
+    out: Path, *, model: dict = LLAMA, schedule: str = "ScheduleVHalf", steps: int = 4, **extra
+) -> dict:
+    config = {
+        "model": {"config": model},
+        "data": {"path": "embedded", "seq_len": 32, "max_examples": 400},
+        "pipeline": {"schedule": schedule, "microbatches": 4},
+        "train": {"steps": steps, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2},
+        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0},
+    }
+    for key, value in extra.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    return config
+
+
+def _run(config: dict, cache: str) -> list[float]:
+    from pp_offload.recipe.train import run
+
+    return run(RecipeConfig.from_dict(config), cache_dir=cache, progress=False).losses
+
+
+def _worker(rank: int, world: int, configs: list[dict], cache: str) -> list[list[float]]:
+    return [_run(config, cache) for config in configs]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("recipe_cache"))
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=REL, atol=ABS)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_llama_v_half_resume_and_export(tmp_path: Path, cache: str) -> None:
+    """One spawn: an uninterrupted V-Half run, and a run stopped after 2 steps then resumed to 4."""
+    full = _config(tmp_path / "full", output__save_every=0)
+    first = _config(tmp_path / "resumed", steps=2)
+    resumed = _config(tmp_path / "resumed", output__resume=True)
+    results = run_on_ranks(_worker, 2, [full, first, resumed], cache, timeout=240)
+    pipelined, head, tail = results[0]
+    reference = _run(_config(tmp_path / "reference"), cache)
+    _close(pipelined, reference)
+    assert reference[-1] < reference[0]
+    # warm-up covers steps 0-1, so the 2-step run's learning rates are the 4-step run's
+    _close(head + tail, pipelined)
+    assert len(tail) == 2
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["resumed_from"] == 2
+
+    # the export (written by both ranks) is the checkpointed model, and transformers loads it
+    from torch.distributed.checkpoint import load
+    from transformers import AutoModelForCausalLM
+
+    export = tmp_path / "full" / "export"
+    assert (export / "model.safetensors.index.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(export).eval()
+    fresh = AutoModelForCausalLM.from_config(loaded.config).eval()
+    state = fresh.state_dict()
+    load({"model": state}, checkpoint_id=str(tmp_path / "full" / "checkpoints" / "step_00000004"))
+    fresh.load_state_dict(state)
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(loaded(ids).logits, fresh(ids).logits, rtol=0, atol=0)
+    assert loaded.model.embed_tokens.weight.data_ptr() == loaded.lm_head.weight.data_ptr()
+    reference_export = AutoModelForCausalLM.from_pretrained(tmp_path / "reference" / "export").eval()
+    torch.testing.assert_close(loaded(ids).logits, reference_export(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_gpt2_loop_placement_and_offload(tmp_path: Path, cache: str) -> None:
+    """Interleaved-1F1B puts GPT-2's tied embedding and head on different ranks; V-Min offloads fully."""
+    gpt2 = _config(
+        tmp_path / "gpt2", model=GPT2, schedule="ScheduleInterleaved1F1B", steps=3, output__export=False
+    )
+    offload = _config(
+        tmp_path / "offload", schedule="ScheduleVMin", steps=3, pipeline__offload="full", output__export=False
+    )
+    gpt2_losses, offload_losses = run_on_ranks(_worker, 2, [gpt2, offload], cache, timeout=240)[0]
+    _close(
+        gpt2_losses, _run(_config(tmp_path / "gpt2_ref", model=GPT2, steps=3, output__export=False), cache)
+    )
+    _close(offload_losses, _run(_config(tmp_path / "offload_ref", steps=3, output__export=False), cache))
+
+
+def _preflight(config: dict, pp: int = 2, layers: int | None = 4) -> None:
+    preflight(RecipeConfig.from_dict(config), Topology(rank=0, world=pp, local_rank=0, pp=pp, dp=1), layers)
+
+
+@pytest.mark.parametrize(
+    ("changes", "layers", "message"),
+    [
+        ({"pipeline__schedule": "VFast"}, 4, "unknown schedule 'VFast'; known schedules: ScheduleVMin"),
+        (
+            {"pipeline__microbatches": 3},
+            4,
+            "global_batch_size=8 must split into .*microbatches=3 microbatches",
+        ),
+        ({}, 3, "the model has 3 layers, fewer than the 4 pipeline stages"),
+        ({"pipeline__memory_limit": 0.5}, 4, "memory_limit .* goes with pipeline.schedule=ScheduleVAdaptive"),
+        (
+            {"pipeline__schedule": "Schedule1F1B", "pipeline__offload": "full"},
+            4,
+            "offload needs a multi-stage",
+        ),
+        ({"pipeline__layers_per_stage": [2, 2]}, 4, "layers_per_stage has 2 entries but there are 4 stages"),
+    ],
+)
+def test_bad_configs_fail_before_any_process_group(
+    tmp_path: Path, changes: dict, layers: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _preflight(_config(tmp_path, **changes), layers=layers)
+
+
+def test_config_reader_names_unknown_keys_and_world_mismatch(tmp_path: Path, cache: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("pipeline:\n  micro_batches: 4\n")
+    with pytest.raises(ConfigError, match="unknown key pipeline.micro_batches .did you mean 'microbatches'"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="override 'steps=3' must look like section.key=value"):
+        load_config(None, ["steps=3"])
+    config = load_config(None, ["train.steps=3", "pipeline.schedule=VMin"])
+    assert config.train.steps == 3 and config.pipeline.schedule == "VMin"
+    from pp_offload.recipe.parts import topology
+
+    with pytest.raises(ConfigError, match="world size 1 is not pipeline.pp x pipeline.dp = 2 x 1"):
+        topology(load_config(None, ["pipeline.pp=2"]))
+
+
+def test_missing_dataset_column_is_named(tmp_path: Path, cache: str) -> None:
+    from pp_offload.data import DataError
+
+    config = _config(tmp_path, data__text_column="body")
+    with pytest.raises(DataError, match="body"):
+        _run(config, cache)
