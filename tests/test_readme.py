@@ -53,3 +53,9 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_model_split_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    exec(compile(_block("split_model(model, num_stages=4"), "README-split", "exec"), {})
+    out = capsys.readouterr().out
+    assert "lm_head.weight" in out and re.search(r"loss \d+\.\d{4}", out), out

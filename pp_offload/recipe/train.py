@@ -88,6 +88,10 @@ def _check(config: RecipeConfig) -> None:
 def _data(config: RecipeConfig, topo: Topology, cache: Path) -> tuple[Any, PackedBatches, Path | None]:
     """Tokenizer and batches (every rank; the embedded assets and datasets' cache are safe to share)."""
     data: DataConfig = config.data
+    if topo.rank != 0:  # one progress bar per job, not one per rank
+        import datasets
+
+        datasets.disable_progress_bars()
     tokenizer_dir = None
     if data.path == "embedded":
         tokenizer_dir = embedded_assets(cache / "embedded").tokenizer_dir
