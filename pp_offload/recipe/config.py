@@ -88,6 +88,7 @@ class OutputConfig:
     export: bool = True  # write an HF model (safetensors + config + tokenizer) to dir/export at the end
     log_every: int = 1
     metrics: list[str] = field(default_factory=lambda: ["csv"])  # csv and/or tensorboard
+    timeline: bool = True  # record the second step: timeline.png (predicted vs realized) and trace.json
 
 
 @dataclass

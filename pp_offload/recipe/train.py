@@ -42,6 +42,7 @@ from pp_offload.recipe.parts import (
     preflight,
     topology,
 )
+from pp_offload.recipe.timeline import StepTimeline
 
 __all__ = ["RunResult", "run"]
 
@@ -57,6 +58,7 @@ class RunResult:
     output_dir: Path | None = None
     schedule: str = ""
     tokens_per_s: float = 0.0
+    timeline_png: Path | None = None
 
 
 def _lr_at(config: RecipeConfig, step: int) -> float:
@@ -265,8 +267,14 @@ def _run(
 
         bar = tqdm(total=train.steps, initial=start, desc=f"fine-tune ({result.schedule})", unit="step")
     tokens_seen, time_spent = 0, 0.0
+    timeline = None
+    if pipeline is not None and config.output.timeline and StepTimeline.supported(pipeline.schedule):
+        timeline = StepTimeline(pipeline.schedule, out, rank=topo.rank, title=f"{result.schedule}, this run")
+    timeline_step = start + 1 if train.steps - start > 1 else start
     try:
         for step in range(start, train.steps):
+            if timeline is not None and step == timeline_step:
+                timeline.start()
             batch = {k: v.to(device) for k, v in batches.batch(step).items()}
             lr = _lr_at(config, step)
             for group in optimizer.param_groups:
@@ -279,6 +287,8 @@ def _run(
                 else:
                     reference.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
                     loss = reference.step(batch)
+            if timeline is not None and step == timeline_step:
+                result.timeline_png = timeline.finish()
             if pipeline is not None and pipeline.tied is not None:
                 pipeline.tied.sync_grads()
             norm = _global_norm(norm_params, topo.distributed)
@@ -331,6 +341,7 @@ def _run(
             "resumed_from": result.resumed_from,
             "tokens_per_s": result.tokens_per_s,
             "export_dir": str(result.export_dir) if result.export_dir else None,
+            "timeline_png": str(result.timeline_png) if result.timeline_png else None,
             "config": config.to_dict(),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
