@@ -52,6 +52,7 @@ CONFIGS = {
     ),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
     "gemma": lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
+    "gemma2-softcap-sliding": lambda: transformers.Gemma2Config(**SMALL, head_dim=8, sliding_window=5),
     "gpt2": lambda: _gpt2(tie_word_embeddings=True),
     "gpt2-untied": lambda: _gpt2(tie_word_embeddings=False),
 }
@@ -59,7 +60,10 @@ CONFIGS = {
 
 def _model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="sdpa").train()
+    attention = "eager" if name.startswith("gemma2") else "sdpa"  # transformers has no sdpa for Gemma2
+    return transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[name](), attn_implementation=attention
+    ).train()
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
