@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check pp_offload tests bench
+.venv/bin/ruff check pp_offload tests bench recipes hf_examples
 exec .venv/bin/python -m pytest -q "$@"

@@ -26,7 +26,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pp_offload.data import DataConfig, PackedBatches, embedded_assets, load_examples, pack_examples
+from pp_offload.data import (
+    DataConfig,
+    PackedBatches,
+    embedded_assets,
+    embedded_dir,
+    load_examples,
+    pack_examples,
+)
 from pp_offload.models import TokenCrossEntropy, export_pretrained
 from pp_offload.recipe.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from pp_offload.recipe.config import ConfigError, RecipeConfig
@@ -96,9 +103,9 @@ def _data(config: RecipeConfig, topo: Topology, cache: Path) -> tuple[Any, Packe
         datasets.disable_progress_bars()
     tokenizer_dir = None
     if data.path == "embedded":
-        tokenizer_dir = embedded_assets(cache / "embedded").tokenizer_dir
+        tokenizer_dir = embedded_assets(embedded_dir(cache)).tokenizer_dir
     tokenizer = load_tokenizer(config, tokenizer_dir)
-    examples = load_examples(data, cache_dir=cache / "datasets")
+    examples = load_examples(data, cache_dir=cache)
     packed = pack_examples(examples, tokenizer, data)
     batches = PackedBatches(
         packed, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=config.train.seed
