@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pp_offload.order import Costs
 
 if TYPE_CHECKING:
+    from pp_offload.plan import plan
     from pp_offload.runtime.offload import enable_offload
     from pp_offload.runtime.schedules import ScheduleVAdaptive, ScheduleVHalf, ScheduleVMin, ScheduleVZB
     from pp_offload.runtime.timing import ActionTimer, realized_bubble, record_actions
@@ -23,6 +24,7 @@ __all__ = [
     "ScheduleVZB",
     "__version__",
     "enable_offload",
+    "plan",
     "realized_bubble",
     "record_actions",
 ]
@@ -36,6 +38,7 @@ _LAZY = {
     "ScheduleVZB": "pp_offload.runtime.schedules",
     "ActionTimer": "pp_offload.runtime.timing",
     "enable_offload": "pp_offload.runtime.offload",
+    "plan": "pp_offload.plan",
     "realized_bubble": "pp_offload.runtime.timing",
     "record_actions": "pp_offload.runtime.timing",
 }

@@ -2,6 +2,7 @@
 
 Commands:
   demo    train a small model with six pipeline schedules on CPU and compare them (`pp_offload.demo`)
+  plan    choose a schedule and an offload policy for a model on a machine (`pp_offload.plan`)
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run_from_args)
+    from pp_offload.plan import cli as plan_cli
+
+    plan_parser = commands.add_parser(
+        "plan",
+        help="choose a pipeline schedule and offload policy for a model on a machine (simulated)",
+        description=plan_cli.DESCRIPTION,
+        epilog=plan_cli.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan_cli.add_arguments(plan_parser)
+    plan_parser.set_defaults(run=plan_cli.run_from_args)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""Seconds per pass: a stage's forward (F), input-gradient (I) and weight-gradient (W) passes, one
+chunk's copy to or from host memory, and one point-to-point transfer between neighbouring ranks.
+
+Compute time = matmul FLOPs / (peak FLOP/s x MFU); everything that is not a matmul (norms, activations,
+softmax, optimizer) is folded into the MFU. Per token of a decoder layer, with ``P`` the weights of its
+projections: F = 2P + attention, I = 2P + 2.5 x attention, W = 2P. Attention is counted for a causal
+kernel that skips masked blocks: QK^T and AV over on average ``seq/2`` keys, ``2 * seq * q_width`` FLOPs
+per token forward; flash attention's backward recomputes the scores, 2.5x the forward, all of it in I
+(attention has no weights). The LM head is a projection like any other (2 h V each for F, I, W); the
+embedding lookup and its gradient are memory-bound and counted as free. Copies: bytes / host bandwidth;
+transfers between ranks: hidden-state bytes / p2p bandwidth + latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pp_offload.plan.machines import Machine
+from pp_offload.plan.memory import Precision, precision
+from pp_offload.plan.model import ModelSpec
+
+__all__ = [
+    "PassTimes",
+    "head_flops",
+    "layer_flops",
+    "p2p_seconds",
+    "split_extras",
+    "stage_times",
+    "transfer_seconds",
+]
+
+_FLASH_BACKWARD = 2.5
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Durations of one stage's passes for one microbatch (seconds, or FLOPs per token)."""
+
+    F: float
+    I: float
+    W: float
+
+    @property
+    def total(self) -> float:
+        return self.F + self.I + self.W
+
+    def __add__(self, other: PassTimes) -> PassTimes:
+        return PassTimes(self.F + other.F, self.I + other.I, self.W + other.W)
+
+    def scaled(self, factor: float) -> PassTimes:
+        return PassTimes(self.F * factor, self.I * factor, self.W * factor)
+
+
+def _projection_weights(spec: ModelSpec) -> int:
+    h, i, q, k = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
+    mlp = (3 if spec.family == "llama" else 2) * h * i
+    return h * q + 2 * h * k + q * h + mlp
+
+
+def layer_flops(spec: ModelSpec, *, seq_len: int) -> PassTimes:
+    """FLOPs per token of one decoder layer's F, I and W passes."""
+    matmul = 2.0 * _projection_weights(spec)
+    attention = 2.0 * seq_len * spec.q_size  # causal: QK^T and AV over seq/2 keys on average
+    return PassTimes(matmul + attention, matmul + _FLASH_BACKWARD * attention, matmul)
+
+
+def head_flops(spec: ModelSpec) -> PassTimes:
+    """FLOPs per token of the LM head's F, I and W passes."""
+    x = 2.0 * spec.hidden_size * spec.vocab_size
+    return PassTimes(x, x, x)
+
+
+def split_extras(spec: ModelSpec, *, seq_len: int) -> tuple[float, float]:
+    """(first_extra, last_extra) for `pp_offload.plan.split.balanced_split`: the embedding's and the head's
+    F+I+W time in decoder layers. The embedding is memory-bound and counted as 0."""
+    return 0.0, head_flops(spec).total / layer_flops(spec, seq_len=seq_len).total
+
+
+def stage_times(
+    spec: ModelSpec,
+    machine: Machine,
+    dtype: str | Precision,
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    microbatch_size: int,
+    seq_len: int,
+) -> PassTimes:
+    """Seconds of one stage's F, I and W passes for one microbatch."""
+    del first  # the embedding is counted as free
+    p = precision(dtype)
+    per_token = layer_flops(spec, seq_len=seq_len).scaled(layers)
+    if last:
+        per_token = per_token + head_flops(spec)
+    return per_token.scaled(microbatch_size * seq_len / machine.flops_for(p.name))
+
+
+def transfer_seconds(nbytes: float, machine: Machine) -> float:
+    """One-way device<->host copy of ``nbytes`` (pinned host memory)."""
+    return nbytes / machine.host_bandwidth
+
+
+def p2p_seconds(
+    spec: ModelSpec, machine: Machine, dtype: str | Precision, *, microbatch_size: int, seq_len: int
+) -> float:
+    """One hidden-state (or its gradient) transfer between neighbouring stages on different ranks."""
+    nbytes = precision(dtype).act_bytes * spec.hidden_size * microbatch_size * seq_len
+    return nbytes / machine.p2p_bandwidth + machine.p2p_latency

@@ -1,0 +1,339 @@
+"""One schedule under one offload policy, for one model and machine: predicted step time and the memory of
+every rank.
+
+The steps, for each schedule:
+
+1. stages: the layers are split over the schedule's stages (`pp_offload.plan.split.balanced_split`), and
+   each stage gets its pass times, its activation bytes per microbatch, and its parameters;
+2. costs: the simulator replays orders with one set of per-chunk costs (every rank holds 2 chunk units of
+   each microbatch, whatever its stages), so F, I and W are the busiest rank's time per microbatch (per
+   kind) over 2: the busiest rank sets the pace of the steady phase; fill and drain are then timed with
+   that rank's average stage, which is optimistic by the imbalance between a rank's own stages. ``comm``
+   is one hidden-state transfer, ``transfer`` the copy of the largest stage's saved activations (per
+   chunk unit);
+3. orders: the compute order is built (`pp_offload.plan.orders`) and rewritten as torch executes it
+   (stage 0's backward runs whole at W: `pp_offload.sim.as_executed_by_torch`); offload actions are placed
+   by `pp_offload.order.offload.plan_offload`; `pp_offload.sim.simulate` replays it;
+4. memory: the simulator's timeline is replayed once more with each stage's real bytes: a chunk's saved
+   tensors from the start of its F to the end of its W (B), its output and the loss's tensors until its
+   input-gradient pass ends, offloaded tensors off the device from the end of their OFFLOAD to the start
+   of their RELOAD. The peak of that curve is the rank's activation memory (the chunk-unit peak of the same
+   replay is the simulator's own);
+5. large m: orders are built for ``m`` microbatches when ``m <= 4 * pp``; above, for ``2 * pp`` and
+   ``3 * pp``, and the step time is extrapolated linearly from those two (every schedule has reached its
+   steady phase by then: the per-microbatch slope is exact for bubble-free steady phases, and measures
+   V-Min's per-period bubble and comm gaps too), the bubble likewise, and memory is that of the ``3 * pp``
+   order (peaks stop growing once the steady phase is reached).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pp_offload.order.actions import OFFLOAD, RELOAD, B, Costs, F, I, W
+from pp_offload.plan.costs import PassTimes, p2p_seconds, split_extras, stage_times, transfer_seconds
+from pp_offload.plan.machines import Machine
+from pp_offload.plan.memory import (
+    ChunkActivation,
+    Precision,
+    StateBytes,
+    chunk_activation,
+    recv_buffer_bytes,
+    stage_params,
+    state_bytes,
+    transient_bytes,
+)
+from pp_offload.plan.model import ModelSpec
+from pp_offload.plan.orders import OURS, Layout, build_order, layout, microbatch_problem
+from pp_offload.plan.split import balanced_split
+
+__all__ = ["PolicyResult", "Setup", "StageProfile", "evaluate_orders", "setup_schedule", "simulation_sizes"]
+
+_EXACT_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    layers: int
+    first: bool
+    last: bool
+    activation: ChunkActivation
+    times: PassTimes
+    params: int
+
+
+@dataclass
+class Setup:
+    """Everything about one schedule that does not depend on the order."""
+
+    schedule: str
+    layout: Layout
+    layers: list[int]
+    stages: list[StageProfile]
+    costs: Costs
+    state: list[StateBytes]
+    recv: list[int]
+    transient: list[int]
+    reserve: int
+    memory_cap: float | None = None  # adaptive: chunk units per rank
+    memory_limit: float | None = None  # adaptive: fraction of 1F1B's peak
+    problem: str | None = None
+
+    def static(self, rank: int) -> int:
+        """Bytes of ``rank`` that do not depend on the order: state, receive buffers, transient, reserve."""
+        return self.state[rank].total + self.recv[rank] + self.transient[rank] + self.reserve
+
+    def unit_bytes(self, rank: int) -> int:
+        """Largest bytes per chunk unit among the rank's stages."""
+        scale = self.layout.chunks_per_stage
+        return max(math.ceil(self.stages[s].activation.total / scale) for s in self.layout.stages_of(rank))
+
+
+def setup_schedule(
+    schedule: str,
+    *,
+    spec: ModelSpec,
+    machine: Machine,
+    precision: Precision,
+    seq_len: int,
+    microbatch_size: int,
+    num_microbatches: int,
+    pp: int,
+    dp: int,
+    dp_shard: bool,
+    virtual_stages: int,
+    reserve: int,
+) -> Setup:
+    lay = layout(schedule, pp, virtual_stages=virtual_stages)
+    first_extra, last_extra = split_extras(spec, seq_len=seq_len)
+    layers = balanced_split(spec.num_layers, lay.num_stages, first_extra=first_extra, last_extra=last_extra)
+    n = lay.num_stages
+    stages = []
+    for s, count in enumerate(layers):
+        first, last = s == 0, s == n - 1
+        kw: dict[str, Any] = {"microbatch_size": microbatch_size, "seq_len": seq_len}
+        stages.append(
+            StageProfile(
+                layers=count,
+                first=first,
+                last=last,
+                activation=chunk_activation(spec, precision, layers=count, first=first, last=last, **kw),
+                times=stage_times(spec, machine, precision, layers=count, first=first, last=last, **kw),
+                params=stage_params(spec, layers=count, first=first, last=last),
+            )
+        )
+    scale = lay.chunks_per_stage
+    host = max(st.activation.saved for st in stages)
+
+    def per_chunk(kind: str) -> float:
+        # the busiest rank's time per microbatch over the 2 chunk units every rank holds
+        return max(sum(getattr(stages[s].times, kind) for s in lay.stages_of(r)) for r in range(pp)) / 2.0
+
+    costs = Costs(
+        F=per_chunk("F"),
+        I=per_chunk("I"),
+        W=per_chunk("W"),
+        comm=p2p_seconds(spec, machine, precision, microbatch_size=microbatch_size, seq_len=seq_len),
+        transfer=transfer_seconds(host, machine) / scale,
+    )
+    state, recv, transient = [], [], []
+    for rank in range(pp):
+        held = [stages[s] for s in lay.stages_of(rank)]
+        state.append(
+            state_bytes(
+                spec, precision, [(st.layers, st.first, st.last) for st in held], dp=dp, dp_shard=dp_shard
+            )
+        )
+        recv.append(
+            sum(
+                recv_buffer_bytes(
+                    spec,
+                    precision,
+                    first=st.first,
+                    last=st.last,
+                    microbatch_size=microbatch_size,
+                    seq_len=seq_len,
+                    num_microbatches=num_microbatches,
+                )
+                for st in held
+            )
+        )
+        transient.append(
+            max(
+                transient_bytes(
+                    spec,
+                    precision,
+                    layers=st.layers,
+                    last=st.last,
+                    microbatch_size=microbatch_size,
+                    seq_len=seq_len,
+                )
+                for st in held
+            )
+        )
+    problem = microbatch_problem(schedule, pp, num_microbatches, virtual_stages=virtual_stages)
+    empty = [s for s in range(1, n - 1) if layers[s] == 0]
+    if problem is None and empty:
+        problem = (
+            f"{spec.num_layers} layers cannot fill {n} stages ({lay.placement} placement on {pp} ranks): "
+            f"stage {empty[0]} would hold no layer"
+        )
+    return Setup(schedule, lay, layers, stages, costs, state, recv, transient, reserve, problem=problem)
+
+
+def choose_adaptive_limit(setup: Setup, *, limit_bytes: int, num_microbatches: int) -> None:
+    """The adaptive schedule's cap: the most chunk units every rank can hold within ``limit_bytes`` next to
+    its static memory, between the V floor (2 units) and 1F1B's peak (``2 * min(d, m)``)."""
+    d = setup.layout.num_ranks
+    reference = 2 * min(d, num_microbatches)
+    room = min((limit_bytes - setup.static(r)) // max(1, setup.unit_bytes(r)) for r in range(d))
+    cap = int(min(reference, max(2, room)))
+    setup.memory_cap = float(cap)
+    setup.memory_limit = cap / reference
+
+
+def simulation_sizes(num_ranks: int, num_microbatches: int) -> list[int]:
+    """The microbatch counts whose orders are built: ``[m]``, or two sizes to extrapolate from."""
+    if num_microbatches <= _EXACT_FACTOR * num_ranks:
+        return [num_microbatches]
+    return [2 * num_ranks, 3 * num_ranks]
+
+
+@dataclass
+class PolicyResult:
+    """One (order size, offload policy): simulated numbers, memory per rank."""
+
+    size: int
+    makespan: float
+    busy: float  # busiest rank's compute time
+    peak_units: list[float]
+    activation: list[int]  # peak activation bytes per rank
+    reload_wait: float
+    offloaded: int  # chunks offloaded
+    chunks: int  # chunks in the order
+
+
+@dataclass
+class OrderSet:
+    """Orders of one schedule at the simulated sizes, and what building them cost."""
+
+    sizes: list[int]
+    orders: dict[int, Any] = field(default_factory=dict)
+    build_seconds: float = 0.0
+    error: str | None = None
+
+
+def build_orders(setup: Setup, sizes: list[int], *, search: str, virtual_stages: int) -> OrderSet:
+    from pp_offload.sim import as_executed_by_torch
+
+    out = OrderSet(sizes)
+    start = time.perf_counter()
+    try:
+        for size in sizes:
+            order = build_order(
+                setup.schedule,
+                setup.layout.num_ranks,
+                size,
+                setup.costs,
+                search=search,
+                memory_cap=setup.memory_cap,
+                virtual_stages=virtual_stages,
+            )
+            out.orders[size] = as_executed_by_torch(order)
+    except Exception as e:  # a schedule that cannot be built here is reported, not fatal
+        out.error = f"{type(e).__name__}: {e}"
+    out.build_seconds = time.perf_counter() - start
+    return out
+
+
+def evaluate_orders(setup: Setup, orders: OrderSet, policy: Any) -> list[PolicyResult]:
+    """Replay every size's order under ``policy`` (anything `resolve_offload` accepts)."""
+    from pp_offload.order.offload import plan_offload, resolve_offload
+    from pp_offload.sim import simulate
+
+    resolved = resolve_offload(policy)
+    results = []
+    for size in orders.sizes:
+        order = orders.orders[size]
+        if resolved.enabled:
+            planned = plan_offload(order, setup.costs, resolved)
+            sim = planned.sim
+            offloaded = sum(len(v) for v in planned.offloaded.values())
+        else:
+            sim = simulate(order, setup.costs)
+            offloaded = 0
+        chunks = sum(1 for tl in sim.timeline.values() for (_, kind, _), _, _ in tl if kind == F)
+        results.append(
+            PolicyResult(
+                size=size,
+                makespan=sim.makespan,
+                busy=max(sim.busy.values()),
+                peak_units=[sim.peak_memory[r] for r in sorted(sim.peak_memory)],
+                activation=activation_peaks(sim, setup),
+                reload_wait=sim.total_reload_wait,
+                offloaded=offloaded,
+                chunks=chunks,
+            )
+        )
+    return results
+
+
+def activation_peaks(sim: Any, setup: Setup) -> list[int]:
+    """Per rank, the peak of the activation bytes over the simulated timeline (see the module doc, 4)."""
+    peaks = []
+    for rank in sorted(sim.timeline):
+        events: list[tuple[float, int]] = []
+        for (stage, kind, _), start, finish in sim.timeline[rank]:
+            act = setup.stages[stage].activation
+            if kind == F:
+                events.append((start, act.total))
+            elif kind == I:
+                events.append((finish, -act.resident))
+            elif kind == W:
+                events.append((finish, -act.saved))
+            elif kind == B:
+                events.append((finish, -act.total))
+        for action, start, finish in sim.transfers.get(rank, []):
+            saved = setup.stages[int(action.stage_index)].activation.saved
+            kind = str(getattr(action.computation_type, "value", action.computation_type))
+            if kind == OFFLOAD:
+                events.append((finish, -saved))
+            elif kind == RELOAD:
+                events.append((start, saved))
+        events.sort(key=lambda e: (e[0], e[1]))
+        level = peak = 0
+        for _, delta in events:
+            level += delta
+            peak = max(peak, level)
+        peaks.append(peak)
+    return peaks
+
+
+def combine(results: list[PolicyResult], num_microbatches: int) -> dict[str, Any]:
+    """Step time, bubble and peaks at ``num_microbatches`` from one exact or two extrapolated sizes."""
+    last = results[-1]
+    if len(results) == 1:
+        makespan, busy = last.makespan, last.busy
+    else:
+        a, b = results[0], results[1]
+        slope = (b.makespan - a.makespan) / (b.size - a.size)
+        makespan = b.makespan + (num_microbatches - b.size) * slope
+        busy = b.busy * num_microbatches / b.size
+    peak_units = [max(r.peak_units[k] for r in results) for k in range(len(last.peak_units))]
+    activation = [max(r.activation[k] for r in results) for k in range(len(last.activation))]
+    return {
+        "makespan": makespan,
+        "bubble": 1.0 - busy / makespan if makespan > 0 else 0.0,
+        "peak_units": peak_units,
+        "activation": activation,
+        "reload_wait": last.reload_wait,
+        "offloaded_share": last.offloaded / last.chunks if last.chunks else 0.0,
+        "extrapolated": len(results) > 1,
+    }
+
+
+def is_ours(schedule: str) -> bool:
+    return schedule in OURS

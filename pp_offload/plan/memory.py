@@ -1,0 +1,331 @@
+"""Bytes per pipeline stage: saved activations of one microbatch, parameters, gradients, optimizer state
+and the receive buffers torch's pipelining keeps.
+
+Activations are counted the way `pp_offload.runtime.store.ActivationStore` sees them: every tensor autograd
+saves in the stage's forward, once per storage (views of one tensor count once), except parameters,
+storages of at most 1024 elements, and the stage's own input (it sits in torch's receive buffer, counted
+separately). The formulas below were derived by reading transformers' Llama and GPT-2 modules and checked
+tensor by tensor with saved-tensor hooks (``tests/test_plan.py``; ``bench/bench_plan.py`` prints the
+comparison). Per token, with ``a`` bytes per activation element (2 in bf16, 4 in fp32), hidden ``h``,
+query width ``q``, key/value width ``k``, MLP width ``i``, ``H`` heads:
+
+Llama layer (RMSNorm, rotary embeddings, sdpa attention, gated MLP):
+  2 norms x (4h: the fp32 copy of the input that ``pow``/``mul`` save; + a*h normalised; + a*h the norm's
+  output, saved by the next projection), attention a*(2q + 2k) (rotated q and k, v, output; the
+  o_proj input is a view of the output), 4H (fp32 log-sum-exp), MLP a*4i (gate, activation, up, product)
+  => 16h + 4a*h + a*(2q + 2k) + 4a*i. In fp32 the first norm saves the layer input itself (no copy), which
+  for a stage's first layer is the receive buffer: 4h less. Rotary cos/sin, 2*a*head_dim, once per stage.
+GPT-2 layer (LayerNorm, fused QKV, gelu_new MLP):
+  a*(7h + 5i): LayerNorm saves its input (the layer input, then the residual sum), its output feeds the
+  next projection, the QKV projection's output is saved whole (q, k, v are views), the attention output;
+  gelu_new (a Python formula) saves 4 tensors of width i, and its output feeds c_proj.
+Embedding stage: the token ids (int64) and the embedding output (saved by the first norm).
+Head stage: the final norm (as above), then the logits are not saved by the head; the loss (outside the
+stage's forward, so never offloaded) keeps fp32 log-probabilities, 4 x vocab per token.
+
+Assumptions (state them when quoting a number):
+- sdpa or flash attention, no padding mask: nothing of size seq^2 is saved; grouped-query attention runs
+  inside the kernel (``enable_gqa``), so k and v stay at the kv-head width. With a padding mask, transformers
+  repeats k/v to all heads and the math kernel may save the seq^2 attention matrix: not modelled.
+- ``bf16``/``fp16``: the model's parameters and activations in that dtype (``model.to(dtype)``), not
+  autocast over fp32 parameters (which saves extra cast copies).
+- Dropout with p > 0 saves a 1-byte mask per dropped element (CUDA's fused dropout); attention dropout
+  inside flash attention saves only its RNG state.
+- The stage's output is held by torch's ``fwd_cache`` from its forward to its input-gradient pass (counted
+  as ``output``); the last stage's logits likewise. ``schedule.step(..., return_outputs=False)`` is assumed:
+  torch's default keeps every microbatch's logits until the step ends.
+- Activation functions other than silu/swish/gelu/gelu_pytorch_tanh/relu/gelu_new are assumed to save
+  only their input.
+- Optimizer: AdamW with fp32 moments (8 bytes/param) plus fp32 master weights (4 bytes/param) when the
+  parameters are bf16/fp16; gradients in the parameter dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pp_offload.plan.model import ModelSpec
+
+__all__ = [
+    "PRECISIONS",
+    "ChunkActivation",
+    "Precision",
+    "StateBytes",
+    "chunk_activation",
+    "layer_activation_bytes",
+    "layer_params",
+    "precision",
+    "recv_buffer_bytes",
+    "stage_params",
+    "state_bytes",
+    "transient_bytes",
+]
+
+SMALL_NUMEL = 1024
+"""The activation store leaves storages of at most this many elements on the device (and we do not count
+them): `pp_offload.runtime.store.ActivationStore`'s ``min_numel``."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of activations and per parameter of weights, gradients and optimizer state."""
+
+    name: str
+    act_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    """AdamW's two fp32 moments (8) plus fp32 master weights (4) when parameters are not fp32."""
+
+
+PRECISIONS: dict[str, Precision] = {
+    "bf16": Precision("bf16", 2, 2, 2, 12),
+    "fp16": Precision("fp16", 2, 2, 2, 12),
+    "fp32": Precision("fp32", 4, 4, 4, 8),
+}
+
+
+def precision(dtype: str | Precision) -> Precision:
+    if isinstance(dtype, Precision):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+    key = key.replace("float16", "fp16")
+    if key not in PRECISIONS:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(PRECISIONS)}")
+    return PRECISIONS[key]
+
+
+# activation -> (saves its input, other saved tensors of the input's size)
+_ACTIVATIONS = {
+    "silu": (True, 0),
+    "swish": (True, 0),
+    "gelu": (True, 0),
+    "gelu_pytorch_tanh": (True, 0),
+    "relu": (False, 0),  # saves its output, which the next op saves anyway
+    "gelu_new": (True, 3),  # 0.5*x*(1+tanh(c*(x+0.044715*x^3))): tanh, 1+tanh and 0.5*x
+}
+
+
+def activation_is_modelled(name: str) -> bool:
+    return name in _ACTIVATIONS
+
+
+def _big(numel: int, nbytes: int) -> int:
+    """Bytes of a saved tensor, 0 when the store would leave it on the device as too small."""
+    return numel * nbytes if numel > SMALL_NUMEL else 0
+
+
+@dataclass(frozen=True)
+class ChunkActivation:
+    """Activation memory of one stage for one microbatch (bytes).
+
+    saved: what autograd saves in the stage's forward, as the activation store captures it: offloadable.
+    output: the stage's output, held by torch from the forward to the input-gradient pass.
+    loss: what the loss saves (last stage; computed outside the stage's forward, so not offloaded).
+    """
+
+    saved: int
+    output: int = 0
+    loss: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.output + self.loss
+
+    @property
+    def resident(self) -> int:
+        """What stays on the device when the chunk is offloaded."""
+        return self.output + self.loss
+
+
+def layer_activation_bytes(
+    spec: ModelSpec, dtype: str | Precision, *, microbatch_size: int, seq_len: int, count_input: bool = True
+) -> int:
+    """Bytes one decoder layer saves for backward for one microbatch (rotary cos/sin excluded: they are
+    shared by the stage's layers, see `chunk_activation`).
+
+    ``count_input=False``: the layer's input is the stage's input (a receive buffer, kept by the pipeline),
+    so a tensor that *is* that input is not counted (fp32 RMSNorm and LayerNorm save it as is).
+    """
+    p = precision(dtype)
+    a, n = p.act_bytes, microbatch_size * seq_len
+    h, i, q = spec.hidden_size, spec.intermediate_size, spec.q_size
+    saves_input, extra = _ACTIVATIONS.get(spec.hidden_act, (True, 0))
+    lse = _big(microbatch_size * spec.num_heads * seq_len, 4)
+    drop = n * h if spec.resid_dropout > 0 else 0  # 1-byte masks
+    if spec.family == "gpt2":
+        ln_stats = 2 * _big(n, 4)  # mean and rstd of one LayerNorm (fp32 on CUDA; CPU keeps bf16 in bf16)
+        total = (a * h * n if count_input else 0) + ln_stats  # ln_1 input
+        total += a * h * n  # ln_1 output = QKV projection input
+        total += a * (q + 2 * spec.kv_size) * n  # fused QKV output (q, k, v are views of it)
+        total += a * q * n + lse  # attention output (c_proj's input is a view), log-sum-exp
+        total += drop  # resid dropout after attention
+        total += a * h * n + ln_stats  # residual sum = ln_2 input
+        total += a * h * n  # ln_2 output = c_fc input
+        total += (
+            a * i * n * ((1 if saves_input else 0) + extra + 1)
+        )  # c_fc out, activation internals, c_proj in
+        total += drop  # resid dropout after the MLP
+        return total
+    rsqrt = _big(n, 4)
+    # input RMSNorm: the fp32 input (a copy unless the input is fp32), rsqrt, normalised, output
+    total = (4 * h * n if (count_input or a != 4) else 0) + rsqrt + 2 * a * h * n
+    if spec.qk_norm:  # Qwen3: RMSNorm per head on q and k, before the rotary embedding
+        for width, heads in ((q, spec.num_heads), (spec.kv_size, spec.num_kv_heads)):
+            total += 4 * width * n + _big(n * heads, 4) + a * width * n
+    total += a * (2 * q + 2 * spec.kv_size) * n + lse  # rotated q, rotated k, v, attention output
+    total += 4 * h * n + rsqrt + 2 * a * h * n  # post-attention RMSNorm on the residual sum
+    total += (
+        a * i * n * ((1 if saves_input else 0) + extra + 3)
+    )  # gate, activation internals, act, up, product
+    return total
+
+
+def chunk_activation(
+    spec: ModelSpec,
+    dtype: str | Precision,
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    microbatch_size: int,
+    seq_len: int,
+) -> ChunkActivation:
+    """Activation memory of one stage (``layers`` decoder layers, plus the embedding when ``first`` and the
+    final norm, LM head and loss when ``last``) for one microbatch."""
+    p = precision(dtype)
+    a, n, h, v = p.act_bytes, microbatch_size * seq_len, spec.hidden_size, spec.vocab_size
+    saved = 0
+    if first:
+        saved += _big(n, 8)  # token ids, saved by the embedding lookup
+        if spec.family == "gpt2":
+            saved += _big(seq_len, 8)  # position ids, (1, seq) broadcast over the microbatch
+            saved += n * h if spec.embd_dropout > 0 else 0
+    if layers:
+        saved += layer_activation_bytes(
+            spec, p, microbatch_size=microbatch_size, seq_len=seq_len, count_input=first
+        )
+        saved += (layers - 1) * layer_activation_bytes(
+            spec, p, microbatch_size=microbatch_size, seq_len=seq_len
+        )
+        if spec.family == "llama":
+            saved += 2 * _big(n * spec.head_dim, a)  # rotary cos and sin, shared by the stage's layers
+    if not last:
+        return ChunkActivation(saved=saved, output=a * h * n)
+    own_input = first or layers > 0  # else the final norm's input is the stage's input
+    if spec.family == "gpt2":
+        saved += (a * h * n if own_input else 0) + 2 * _big(n, 4) + a * h * n  # ln_f input, stats, output
+    else:
+        saved += (4 * h * n if (own_input or a != 4) else 0) + _big(n, 4) + 2 * a * h * n
+    loss = 4 * v * n + _big(n, 8)  # fp32 log-probabilities, target ids
+    return ChunkActivation(saved=saved, output=a * v * n, loss=loss)
+
+
+def transient_bytes(
+    spec: ModelSpec, dtype: str | Precision, *, layers: int, last: bool, microbatch_size: int, seq_len: int
+) -> int:
+    """A rough allowance for memory that lives only during one pass: one layer's worth of gradients of its
+    saved tensors during backward, and on the last stage the fp32 and model-dtype gradients of the logits."""
+    p = precision(dtype)
+    n = microbatch_size * seq_len
+    out = layer_activation_bytes(spec, p, microbatch_size=microbatch_size, seq_len=seq_len) if layers else 0
+    if last:
+        out += (4 + p.act_bytes) * spec.vocab_size * n
+    return out
+
+
+def layer_params(spec: ModelSpec) -> int:
+    h, i, q, k = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
+    if spec.family == "gpt2":
+        return 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * h + (h * i + i) + (i * h + h)
+    total = h * q + 2 * h * k + q * h + 3 * h * i + 2 * h
+    if spec.attention_bias:
+        total += q + 2 * k + h
+    if spec.mlp_bias:
+        total += 2 * i + h
+    if spec.qk_norm:
+        total += 2 * spec.head_dim
+    return total
+
+
+def embedding_params(spec: ModelSpec) -> int:
+    return spec.vocab_size * spec.hidden_size + spec.max_positions * spec.hidden_size
+
+
+def head_params(spec: ModelSpec) -> int:
+    """Final norm and LM head (the head's weight counted even when tied: see `stage_params`)."""
+    norm = 2 * spec.hidden_size if spec.family == "gpt2" else spec.hidden_size
+    return norm + spec.vocab_size * spec.hidden_size
+
+
+def stage_params(spec: ModelSpec, *, layers: int, first: bool, last: bool) -> int:
+    """Parameters of one stage. A tied LM head on a stage without the embedding holds its own copy (its
+    gradient is summed with the embedding's across ranks); on the embedding's stage it is shared."""
+    total = layers * layer_params(spec)
+    if first:
+        total += embedding_params(spec)
+    if last:
+        total += head_params(spec)
+        if first and spec.tie_word_embeddings:
+            total -= spec.vocab_size * spec.hidden_size
+    return total
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Per-rank bytes that live through the whole step."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def state_bytes(
+    spec: ModelSpec,
+    dtype: str | Precision,
+    stages: list[tuple[int, bool, bool]],
+    *,
+    dp: int = 1,
+    dp_shard: bool = False,
+) -> StateBytes:
+    """Parameters, gradients and optimizer state of the ``(layers, first, last)`` stages one rank holds.
+
+    A tied embedding and LM head on the same rank (V placement puts both on rank 0) count once.
+    ``dp_shard``: optimizer state and master weights sharded over the ``dp`` replicas (ZeRO-1/2, or FSDP2
+    under pipelining with ``reshard_after_forward=False``, where unsharded parameters and gradients
+    live through the step anyway).
+    """
+    p = precision(dtype)
+    count = sum(stage_params(spec, layers=n, first=f, last=la) for n, f, la in stages)
+    firsts = any(f for _, f, _ in stages)
+    lasts = any(la for _, _, la in stages)
+    same_stage = any(f and la for _, f, la in stages)
+    if spec.tie_word_embeddings and firsts and lasts and not same_stage:
+        count -= spec.vocab_size * spec.hidden_size
+    shard = dp if dp_shard else 1
+    return StateBytes(
+        params=count * p.param_bytes,
+        grads=count * p.grad_bytes,
+        optimizer=-(-count * p.optimizer_bytes // shard),
+    )
+
+
+def recv_buffer_bytes(
+    spec: ModelSpec,
+    dtype: str | Precision,
+    *,
+    first: bool,
+    last: bool,
+    microbatch_size: int,
+    seq_len: int,
+    num_microbatches: int,
+) -> int:
+    """torch's receive buffers of one stage: one per microbatch for its input (all but the first stage) and
+    one per microbatch for its output's gradient (all but the last stage), allocated for the whole run."""
+    p = precision(dtype)
+    one = p.act_bytes * spec.hidden_size * microbatch_size * seq_len
+    return num_microbatches * one * ((0 if first else 1) + (0 if last else 1))
