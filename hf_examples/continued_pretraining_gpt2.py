@@ -38,6 +38,8 @@ p.add_argument("--text-column", default="text")
 p.add_argument("--output-dir", default="runs/gpt2")
 p.add_argument("--steps", type=int, default=2000)
 p.add_argument("--schedule", default="ScheduleVZB", help="e.g. ScheduleVHalf, ScheduleInterleaved1F1B")
+p.add_argument("--dp", type=int, default=1,
+               help="data-parallel replicas (FSDP2); pipeline ranks: processes / dp")
 p.add_argument("--tiny", action="store_true", help="offline smoke test: tiny random GPT-2, embedded corpus")
 args = p.parse_args()
 if args.dataset == "Salesforce/wikitext" and args.dataset_config is None:
@@ -46,7 +48,7 @@ if args.dataset == "Salesforce/wikitext" and args.dataset_config is None:
 config = RecipeConfig(
     model=ModelConfig(path=args.model),
     data=DataConfig(path=args.dataset, name=args.dataset_config, text_column=args.text_column, seq_len=1024),
-    pipeline=PipelineConfig(schedule=args.schedule, microbatches=16),
+    pipeline=PipelineConfig(schedule=args.schedule, dp=args.dp, microbatches=16),
     train=TrainConfig(steps=args.steps, global_batch_size=64, lr=1e-4, warmup_steps=min(100, args.steps),
                       weight_decay=0.1, precision="bf16"),
     output=OutputConfig(dir=args.output_dir, save_every=500, log_every=20),

@@ -41,6 +41,8 @@ p.add_argument("--input-column", default="input", help="optional context appende
 p.add_argument("--output-dir", default="runs/sft")
 p.add_argument("--steps", type=int, default=300)
 p.add_argument("--schedule", default="ScheduleVHalf")
+p.add_argument("--dp", type=int, default=1,
+               help="data-parallel replicas (FSDP2); pipeline ranks: processes / dp")
 p.add_argument("--tiny", action="store_true", help="offline smoke test: tiny random Llama, synthetic data")
 args = p.parse_args()
 out, rank = Path(args.output_dir), os.environ.get("RANK", "0")
@@ -71,7 +73,7 @@ config = RecipeConfig(
     model=ModelConfig(path=args.model),
     data=DataConfig(path=str(out / "sft_data.jsonl"), prompt_column="prompt", response_column="response",
                     seq_len=1024),
-    pipeline=PipelineConfig(schedule=args.schedule, microbatches=16, offload="selective"),
+    pipeline=PipelineConfig(schedule=args.schedule, dp=args.dp, microbatches=16, offload="selective"),
     train=TrainConfig(steps=args.steps, global_batch_size=64, lr=2e-5, warmup_steps=min(20, args.steps),
                       weight_decay=0.0, precision="bf16"),
     output=OutputConfig(dir=str(out), save_every=100, log_every=10),

@@ -30,23 +30,33 @@ def test_orders_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"bubble \d+\.\d%, peak \d+ chunk units", out), out
 
 
-def test_quickstart_runs_under_torchrun(tmp_path: Path) -> None:
-    script = tmp_path / "quickstart.py"
-    script.write_text(_block("torchrun --nproc-per-node 2"))
+def _run_under_torchrun(tmp_path: Path, marker: str, nproc: int) -> str:
+    script = tmp_path / "example.py"
+    script.write_text(_block(marker))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-port",
         str(_free_port()),
         str(script),
     ]  # port 0 hangs torchrun's rendezvous
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.search(r"loss \d+\.\d{4}", proc.stdout), proc.stdout
+    return proc.stdout
+
+
+def test_quickstart_runs_under_torchrun(tmp_path: Path) -> None:
+    out = _run_under_torchrun(tmp_path, "torchrun --nproc-per-node 2 quickstart.py", 2)
+    assert re.search(r"loss \d+\.\d{4}", out), out
+
+
+def test_hybrid_fsdp_example_runs_on_four_ranks(tmp_path: Path) -> None:
+    out = _run_under_torchrun(tmp_path, "torchrun --nproc-per-node 4 hybrid.py", 4)
+    assert re.search(r"loss \d+\.\d{4}, grad norm \d+\.\d{4}", out), out
 
 
 def _free_port() -> int:

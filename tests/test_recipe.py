@@ -121,6 +121,58 @@ def test_gpt2_loop_placement_and_offload(tmp_path: Path, cache: str) -> None:
     _close(offload_losses, _run(_config(tmp_path / "offload_ref", steps=3, output__export=False), cache))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_hybrid_pp2_dp2_matches_single_process_with_sharded_resume_and_export(
+    tmp_path: Path, cache: str
+) -> None:
+    """4 ranks as 2 pipeline ranks x 2 FSDP replicas: V-Half (tied weight replicated on rank 0) with a
+    sharded checkpoint resumed; GPT-2 under Interleaved1F1B (tie across ranks, sharded) with offload and
+    activation checkpointing. Losses and grad norms equal one process; the export is one HF model."""
+    dp2 = {"pipeline__dp": 2}
+    full = _config(tmp_path / "full", output__save_every=0, **dp2)
+    first = _config(tmp_path / "resumed", steps=2, output__export=False, **dp2)
+    resumed = _config(tmp_path / "resumed", output__resume=True, output__export=False, **dp2)
+    gpt2 = _config(
+        tmp_path / "gpt2",
+        model=GPT2,
+        schedule="ScheduleInterleaved1F1B",
+        steps=3,
+        pipeline__offload="full",
+        train__activation_checkpointing=True,
+        output__export=False,
+        **dp2,
+    )
+    results = run_on_ranks(_worker, 4, [full, first, resumed, gpt2], cache, timeout=300)
+    assert all(r == results[0] for r in results)  # every rank reports the same losses
+    pipelined, head, tail, gpt2_losses = results[0]
+    reference = _run(_config(tmp_path / "reference"), cache)
+    _close(pipelined, reference)
+    _close(head + tail, pipelined)
+    _close(
+        gpt2_losses, _run(_config(tmp_path / "gpt2_ref", model=GPT2, steps=3, output__export=False), cache)
+    )
+    norms = [
+        json.loads((tmp_path / d / "summary.json").read_text())["grad_norms"] for d in ("full", "reference")
+    ]
+    _close(norms[0], norms[1])  # the norm over pp and dp counts every gradient once
+    shards = sorted(p.name for p in (tmp_path / "full" / "checkpoints" / "step_00000004").glob("*.distcp"))
+    assert len(shards) == 4  # sharded state: every rank wrote its part
+
+    from torch.distributed.checkpoint import load
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "export").eval()
+    fresh = AutoModelForCausalLM.from_config(loaded.config).eval()
+    state = fresh.state_dict()
+    load({"model": state}, checkpoint_id=str(tmp_path / "full" / "checkpoints" / "step_00000004"))
+    fresh.load_state_dict(state)  # the sharded checkpoint, resharded to whole tensors by DCP
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(loaded(ids).logits, fresh(ids).logits, rtol=0, atol=0)
+    # 4 AdamW steps amplify the last-bit differences of summation order in near-zero gradients
+    reference_export = AutoModelForCausalLM.from_pretrained(tmp_path / "reference" / "export").eval()
+    torch.testing.assert_close(loaded(ids).logits, reference_export(ids).logits, rtol=1e-3, atol=1e-3)
+
+
 def _preflight(config: dict, pp: int = 2, layers: int | None = 4) -> None:
     preflight(RecipeConfig.from_dict(config), Topology(rank=0, world=pp, local_rank=0, pp=pp, dp=1), layers)
 
@@ -151,7 +203,9 @@ def test_bad_configs_fail_before_any_process_group(
         _preflight(_config(tmp_path, **changes), layers=layers)
 
 
-def test_config_reader_names_unknown_keys_and_world_mismatch(tmp_path: Path, cache: str) -> None:
+def test_config_reader_names_unknown_keys_and_world_mismatch(
+    tmp_path: Path, cache: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("pipeline:\n  micro_batches: 4\n")
     with pytest.raises(ConfigError, match="unknown key pipeline.micro_batches .did you mean 'microbatches'"):
@@ -164,6 +218,16 @@ def test_config_reader_names_unknown_keys_and_world_mismatch(tmp_path: Path, cac
 
     with pytest.raises(ConfigError, match="world size 1 is not pipeline.pp x pipeline.dp = 2 x 1"):
         topology(load_config(None, ["pipeline.pp=2"]))
+    with pytest.raises(ConfigError, match="world size 1 is not pipeline.pp x pipeline.dp = None x 2"):
+        topology(load_config(None, ["pipeline.dp=2"]))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match=r"pipeline.dp_replicate=3 must divide pipeline.dp=4 .*\[1, 2, 4\]"):
+        topology(load_config(None, ["pipeline.dp=4", "pipeline.dp_replicate=3"]))
+    topo = topology(load_config(None, ["pipeline.dp=4", "pipeline.dp_replicate=2"]))
+    assert (topo.pp, topo.dp) == (2, 4)
+    hybrid = RecipeConfig.from_dict(_config(tmp_path, pipeline__dp=2, train__global_batch_size=6))
+    with pytest.raises(ConfigError, match="must split into pipeline.dp=2 replicas x pipeline.microbatches=4"):
+        preflight(hybrid, Topology(rank=0, world=4, local_rank=0, pp=2, dp=2), 4)
 
 
 def test_missing_dataset_column_is_named(tmp_path: Path, cache: str) -> None:

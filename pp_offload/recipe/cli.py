@@ -3,6 +3,7 @@
 Launch one process per pipeline rank with torchrun or accelerate::
 
     torchrun --nproc-per-node 2 recipes/finetune.py --config recipes/configs/tiny_llama.yaml
+    torchrun --nproc-per-node 4 recipes/finetune.py --config recipes/configs/tiny_llama.yaml --dp 2
     accelerate launch --config_file recipes/accelerate_cpu.yaml recipes/finetune.py --config ...
 
 With one process (plain ``python``) the same config trains the unsplit model: the reference a pipelined run
@@ -40,6 +41,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output-dir", help="shortcut for --set output.dir=...")
     p.add_argument(
+        "--dp",
+        type=int,
+        metavar="N",
+        help="data-parallel replicas of the pipeline (FSDP2 over them; pipeline ranks = processes / N); "
+        "shortcut for --set pipeline.dp=N",
+    )
+    p.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in the output dir"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
@@ -53,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides.append(f"output.dir={args.output_dir}")
     if args.resume:
         overrides.append("output.resume=true")
+    if args.dp is not None:
+        overrides.append(f"pipeline.dp={args.dp}")
     rank = os.environ.get("RANK", "0")
     try:
         config = load_config(args.config, overrides)

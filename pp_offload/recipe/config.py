@@ -50,7 +50,8 @@ class PipelineConfig:
     schedule: str = "ScheduleVHalf"
     microbatches: int = 8
     pp: int | None = None  # pipeline ranks; default: the world size (divided by dp)
-    dp: int = 1
+    dp: int = 1  # data-parallel replicas of the pipeline; > 1 shards each stage with FSDP2 over them
+    dp_replicate: int = 1  # HSDP: of the dp ranks, groups that replicate (shard within each group)
     stages_per_rank: int | None = None  # loop schedules only (default 2)
     layers_per_stage: list[int] | None = None
     offload: Any = "none"
@@ -71,7 +72,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float | None = 1.0
-    precision: str = "fp32"  # fp32 | bf16 (autocast; parameters and optimizer state stay fp32)
+    precision: str = "fp32"  # fp32 | bf16 (autocast, or FSDP's bf16 policy when dp > 1; fp32 master weights)
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (composes with offload)
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     timeout_s: float = 600.0  # collective timeout: a stuck rank fails the job instead of hanging it

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from pp_offload.models import ModelSplit, TokenCrossEntropy, split_model
+from pp_offload.parallel import ShardedStages
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
 
@@ -78,9 +80,11 @@ def topology(config: RecipeConfig) -> Topology:
             f"world size {world} is not pipeline.pp x pipeline.dp = {config.pipeline.pp} x {dp}: launch "
             f"{max(pp, 1) * dp} processes or change pipeline.pp / pipeline.dp"
         )
-    if dp != 1:
+    replicate = int(config.pipeline.dp_replicate)
+    if replicate < 1 or dp % replicate:
         raise ConfigError(
-            "pipeline.dp > 1 (pipeline x data parallel) is not supported yet; use pipeline.dp=1"
+            f"pipeline.dp_replicate={replicate} must divide pipeline.dp={dp} (HSDP: dp = dp_replicate x "
+            f"dp_shard); pick one of {[d for d in range(1, dp + 1) if dp % d == 0]}"
         )
     return Topology(rank=rank, world=world, local_rank=local_rank, pp=pp, dp=dp)
 
@@ -151,7 +155,11 @@ def load_model(config: RecipeConfig, tokenizer: Any) -> nn.Module:
 
 @dataclass
 class Pipeline:
-    """This rank's share of the pipelined model: stages, schedule, loss and the tied-weight fix-up."""
+    """This rank's share of the pipelined model: stages, schedule, loss and the tied-weight fix-up.
+
+    ``mesh``: the job's ``("dp", "pp")`` mesh (``pp`` inner); ``sharded``: the FSDP2 roots when
+    ``pipeline.dp > 1`` (None otherwise: every pipeline replica would hold whole stages).
+    """
 
     info: ScheduleInfo
     split: ModelSplit
@@ -160,29 +168,40 @@ class Pipeline:
     tied: _TiedAcrossRanks | None
     has_first: bool
     has_last: bool
+    mesh: DeviceMesh
+    sharded: ShardedStages | None = None
 
     @property
     def module(self) -> nn.Module:
         return self.split.module
 
-    def norm_parameters(self) -> list[nn.Parameter]:
-        """Parameters whose gradients this rank counts in the global norm (a tied copy counts once)."""
-        skip = self.tied.skip_in_norm() if self.tied is not None else set()
-        return [p for p in self.module.parameters() if id(p) not in skip]
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    def skip_in_norm(self) -> set[int]:
+        """Ids of parameters not counted in the global gradient norm (the second copy of a tied weight)."""
+        return self.tied.skip_in_norm() if self.tied is not None else set()
 
 
 class _TiedAcrossRanks:
     """An input embedding tied to the LM head when the first and last stages sit on different ranks.
 
     Each of the two ranks holds its own copy; after backward the copies' gradients are summed between the
-    two ranks, so both take the same optimizer step and stay equal, exactly as the one shared weight of the
-    unsplit model would. The last-stage copy is left out of the gradient norm and of the export.
+    two ranks of each pipeline replica, so both take the same optimizer step and stay equal, exactly as
+    the one shared weight of the unsplit model would. The last-stage copy is left out of the gradient norm
+    and of the export. Under FSDP both copies are sharded the same way over the data-parallel ranks, so
+    the two ranks' local shards cover the same slice and summing them is right.
     """
 
     def __init__(self, model: nn.Module, split: ModelSplit, topo: Topology, num_stages: int, placement: str):
-        first_rank = 0
-        last_rank = _rank_of(num_stages - 1, topo.pp, placement)
-        self.group = dist.new_group([first_rank, last_rank]) if first_rank != last_rank else None
+        last = _rank_of(num_stages - 1, topo.pp, placement)
+        self.group: dist.ProcessGroup | None = None
+        if last != 0:
+            for replica in range(topo.dp):  # every rank creates every group, in the same order
+                group = dist.new_group([replica * topo.pp, replica * topo.pp + last])
+                if replica == topo.dp_rank:
+                    self.group = group
         self.weight: nn.Parameter | None = None
         self.is_copy = False
         if 0 in split.stages:
@@ -196,7 +215,9 @@ class _TiedAcrossRanks:
             return
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
-        dist.all_reduce(self.weight.grad, group=self.group)
+        grad = self.weight.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's shard, in place
+        dist.all_reduce(local, group=self.group)
 
     def skip_in_norm(self) -> set[int]:
         return {id(self.weight)} if self.is_copy and self.weight is not None else set()
@@ -277,10 +298,14 @@ def num_layers_of(config: RecipeConfig) -> int | None:
     return getattr(hf_config, "num_hidden_layers", None)
 
 
-def build_pipeline(config: RecipeConfig, model: nn.Module, topo: Topology, device: torch.device) -> Pipeline:
-    """Split ``model`` for this rank, build its ``PipelineStage``s and the configured schedule."""
+def build_pipeline(
+    config: RecipeConfig, model: nn.Module, topo: Topology, device: torch.device, mesh: DeviceMesh
+) -> Pipeline:
+    """Split ``model`` for this rank, shard it over the data-parallel ranks when ``pipeline.dp > 1``, and
+    build its ``PipelineStage``s (on this replica's pipeline group) and the configured schedule."""
     from torch.distributed.pipelining import PipelineStage
 
+    from pp_offload.parallel import activation_checkpointing, apply_fsdp
     from pp_offload.runtime.offload import enable_offload
 
     spec = config.pipeline
@@ -296,10 +321,18 @@ def build_pipeline(config: RecipeConfig, model: nn.Module, topo: Topology, devic
         layers_per_stage=spec.layers_per_stage,
     )
     split.module.to(device)
+    if config.train.activation_checkpointing:
+        activation_checkpointing(split)
+    sharded = None
+    if topo.dp > 1:
+        sharded = apply_fsdp(
+            split, mesh, mixed_precision=config.train.precision, split_backward=info.split_backward
+        )
     tied = None
     if bool(getattr(model.config, "tie_word_embeddings", False)) and info.placement != "v":
-        tied = _TiedAcrossRanks(model, split, topo, num_stages, info.placement)
-    stages = [PipelineStage(split.stages[s], s, num_stages, device) for s in split.stage_indices]
+        tied = _TiedAcrossRanks(model, split, topo, num_stages, info.placement)  # after FSDP: its params
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(split.stages[s], s, num_stages, device, group=group) for s in split.stage_indices]
     loss_fn = TokenCrossEntropy()
     kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
     if info.module == "pp_offload.runtime.schedules":
@@ -310,7 +343,9 @@ def build_pipeline(config: RecipeConfig, model: nn.Module, topo: Topology, devic
             kwargs["offload"] = spec.offload
     schedule = build_schedule(info, stages, spec.microbatches, **kwargs)
     if info.module != "pp_offload.runtime.schedules" and offload:
-        enable_offload(schedule, spec.offload, device=device)
+        enable_offload(schedule, spec.offload, costs=spec.costs, device=device)
+    if sharded is not None:
+        sharded.attach(schedule)
     return Pipeline(
         info=info,
         split=split,
@@ -319,4 +354,6 @@ def build_pipeline(config: RecipeConfig, model: nn.Module, topo: Topology, devic
         tied=tied,
         has_first=0 in split.stages,
         has_last=num_stages - 1 in split.stages,
+        mesh=mesh,
+        sharded=sharded,
     )

@@ -20,8 +20,11 @@ __all__ = ["StepTimeline"]
 class StepTimeline:
     """Record one step's executed actions on every rank; rank 0 writes ``timeline.png`` and ``trace.json``."""
 
-    def __init__(self, schedule: Any, out: Path, *, rank: int, title: str) -> None:
+    def __init__(self, schedule: Any, out: Path, *, rank: int, title: str, group: Any = None) -> None:
+        """``rank``: the global rank (0 writes); ``group``: this pipeline's ranks (one replica of a hybrid
+        run; None: the default group)."""
         self.schedule = schedule
+        self.group = group
         self.out = out
         self.rank = rank
         self.title = title
@@ -42,7 +45,7 @@ class StepTimeline:
         from pp_offload.sim import as_executed_by_torch
 
         assert self.timer is not None
-        events = self.timer.gather()
+        events = self.timer.gather(self.group)
         self.timer.detach()
         self.timer = None
         if self.rank != 0:

@@ -3,8 +3,15 @@
 A step: take this data-parallel rank's slice of the global batch (a pure function of the step, so resume is
 exact), tell the loss the global target-token count, run the pipeline schedule (or, with one process, the
 unsplit model on the same microbatches: the reference the pipelined run must reproduce), sum a tied
-weight's gradient across ranks when the two ends sit apart, clip by the norm over every pipeline rank,
-step AdamW. Rank 0 shows a progress bar and logs loss, tokens/s, learning rate and peak memory.
+weight's gradient across ranks when the two ends sit apart, clip by the norm over every pipeline and
+data-parallel rank, step AdamW. Rank 0 shows a progress bar and logs loss, tokens/s, learning rate and
+peak memory.
+
+Hybrid runs (``pipeline.dp > 1``): the world is a ``("dp", "pp")`` mesh, pipeline rank inner; each
+pipeline replica gets its own slice of every global batch, and each stage is sharded with FSDP2 over the
+replicas (`pp_offload.parallel.apply_fsdp`), which reduces its gradients once per step (a sum: the loss is
+already normalised over the global batch). bf16 then means FSDP's bf16 parameter policy rather than
+autocast. Checkpoints stay sharded (DCP); the HF export gathers full tensors and is written by replica 0.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pp_offload.data import (
     pack_examples,
 )
 from pp_offload.models import TokenCrossEntropy, export_pretrained
+from pp_offload.parallel import build_mesh, clip_grad_norm_, grad_norm
 from pp_offload.recipe.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.parts import (
@@ -120,8 +128,8 @@ def _peak_memory_mib(device: torch.device) -> float:
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
-def _autocast(config: RecipeConfig, device: torch.device) -> Any:
-    if config.train.precision == "bf16":
+def _autocast(config: RecipeConfig, device: torch.device, topo: Topology) -> Any:
+    if config.train.precision == "bf16" and topo.dp == 1:  # with dp > 1, FSDP's bf16 policy does it
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -152,16 +160,6 @@ class _Reference:
             loss.backward()
             total += float(loss.detach())
         return total
-
-
-def _global_norm(parameters: list[nn.Parameter], distributed: bool) -> torch.Tensor:
-    grads = [p.grad for p in parameters if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
-        local += grad.detach().double().pow(2).sum().cpu()
-    if distributed:
-        dist.all_reduce(local)
-    return local.sqrt()
 
 
 class _Metrics:
@@ -245,9 +243,11 @@ def _run(
     pipeline: Pipeline | None = None
     reference: _Reference | None = None
     if topo.distributed:
-        pipeline = build_pipeline(config, model, topo, device)
+        mesh = build_mesh(
+            topo.pp, topo.dp, device_type=device.type, dp_replicate=config.pipeline.dp_replicate
+        )
+        pipeline = build_pipeline(config, model, topo, device, mesh)
         module = pipeline.module
-        norm_params = pipeline.norm_parameters()
     else:
         if config.pipeline.pp not in (None, 1):
             raise ConfigError(
@@ -256,7 +256,6 @@ def _run(
         model.to(device).train()
         reference = _Reference(model, config.pipeline.microbatches)
         module = model
-        norm_params = list(model.parameters())
     train = config.train
     optimizer = torch.optim.AdamW(
         module.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
@@ -276,7 +275,13 @@ def _run(
     tokens_seen, time_spent = 0, 0.0
     timeline = None
     if pipeline is not None and config.output.timeline and StepTimeline.supported(pipeline.schedule):
-        timeline = StepTimeline(pipeline.schedule, out, rank=topo.rank, title=f"{result.schedule}, this run")
+        timeline = StepTimeline(
+            pipeline.schedule,
+            out,
+            rank=topo.rank,
+            title=f"{result.schedule}, this run",
+            group=pipeline.pp_group,
+        )
     timeline_step = start + 1 if train.steps - start > 1 else start
     try:
         for step in range(start, train.steps):
@@ -288,7 +293,7 @@ def _run(
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             began = time.perf_counter()
-            with _autocast(config, device):
+            with _autocast(config, device, topo):
                 if pipeline is not None:
                     loss = _pipeline_step(pipeline, batch)
                 else:
@@ -298,9 +303,7 @@ def _run(
                 result.timeline_png = timeline.finish()
             if pipeline is not None and pipeline.tied is not None:
                 pipeline.tied.sync_grads()
-            norm = _global_norm(norm_params, topo.distributed)
-            if train.max_grad_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(module.parameters(), train.max_grad_norm, norm)
+            norm = _clip(pipeline, module, train.max_grad_norm)
             optimizer.step()
             elapsed = time.perf_counter() - began
             tokens = int(batch["input_ids"].numel()) * topo.dp
@@ -339,7 +342,7 @@ def _run(
             metrics.close()
     result.tokens_per_s = tokens_seen / time_spent if time_spent else 0.0
     if config.output.export:
-        result.export_dir = _export(config, model, pipeline, module, tokenizer, out)
+        result.export_dir = _export(config, model, pipeline, module, tokenizer, out, topo)
     if topo.rank == 0:
         summary = {
             "losses": result.losses,
@@ -353,6 +356,20 @@ def _run(
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return result
+
+
+def _clip(pipeline: Pipeline | None, module: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """The whole model's gradient norm (every pipeline and data-parallel rank), clipping to ``max_norm``."""
+    if pipeline is None:
+        grads = [p.grad.detach().double().pow(2).sum() for p in module.parameters() if p.grad is not None]
+        norm = torch.stack(grads).sum().sqrt() if grads else torch.zeros((), dtype=torch.float64)
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(module.parameters(), max_norm, norm.float())
+        return norm
+    skip = pipeline.skip_in_norm()
+    if max_norm is None:
+        return grad_norm(module.parameters(), pipeline.mesh, skip=skip)
+    return clip_grad_norm_(module.parameters(), max_norm, pipeline.mesh, skip=skip)
 
 
 def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> float:
@@ -375,22 +392,37 @@ def _export(
     module: nn.Module,
     tokenizer: Any,
     out: Path,
-) -> Path:
+    topo: Topology,
+) -> Path | None:
+    """Write one HF checkpoint: every pipeline rank of replica 0 writes the parameters it holds.
+
+    Under FSDP each stage's parameters are first gathered whole (a collective over the data-parallel
+    ranks, so every rank takes part); the other replicas hold the same values and write nothing. Returns
+    the export directory on the ranks that wrote it, None on the others.
+    """
     target = out / "export"
-    if pipeline is not None and pipeline.tied is not None and pipeline.tied.is_copy:
-        # the last stage's copy of a tied weight is not saved (the first stage's is)
-        module = _without(module, "lm_head.weight")
-    return export_pretrained(module, model.config, target, tokenizer=tokenizer)
+    if pipeline is None:
+        return export_pretrained(module, model.config, target, tokenizer=tokenizer)
+    state = {}  # a tied LM head is left out by export_pretrained (the first stage saves the embedding)
+    for name, tensor in module.state_dict().items():
+        if pipeline.sharded is not None and hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()  # collective over dp: same names, same order on every replica
+        state[name] = tensor
+    exported = None
+    if topo.dp_rank == 0:
+        exported = export_pretrained(
+            _StateDictView(state), model.config, target, tokenizer=tokenizer, group=pipeline.pp_group
+        )
+    dist.barrier()
+    return exported
 
 
 class _StateDictView(nn.Module):
+    """A module whose state dict is the given tensors (what `export_pretrained` reads)."""
+
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self._state = state
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return dict(self._state)
-
-
-def _without(module: nn.Module, key: str) -> nn.Module:
-    return _StateDictView({k: v for k, v in module.state_dict().items() if k != key})
