@@ -69,3 +69,9 @@ def test_model_split_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     exec(compile(_block("split_model(model, num_stages=4"), "README-split", "exec"), {})
     out = capsys.readouterr().out
     assert "lm_head.weight" in out and re.search(r"loss \d+\.\d{4}", out), out
+
+
+def test_auto_choice_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    exec(compile(_block("Measurement.uniform(4"), "README-auto", "exec"), {})
+    out = capsys.readouterr().out
+    assert re.search(r"^auto: Schedule\w+ offload=", out, flags=re.M), out

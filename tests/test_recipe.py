@@ -173,6 +173,35 @@ def test_hybrid_pp2_dp2_matches_single_process_with_sharded_resume_and_export(
     torch.testing.assert_close(loaded(ids).logits, reference_export(ids).logits, rtol=1e-3, atol=1e-3)
 
 
+def _auto_worker(rank: int, world: int, configs: list[dict], cache: str) -> list[tuple[list[float], dict]]:
+    from pp_offload.recipe.train import run
+
+    results = [run(RecipeConfig.from_dict(c), cache_dir=cache, progress=False) for c in configs]
+    return [(r.losses, r.auto) for r in results]
+
+
+def test_auto_schedule_probes_chooses_the_same_everywhere_and_trains_exactly(
+    tmp_path: Path, cache: str
+) -> None:
+    """schedule: auto within half of 1F1B's activation memory: the probe leaves no trace (losses equal one
+    process), every rank gets the same decision, it fits, and a resumed run reuses it."""
+    auto = {"pipeline__schedule": "auto", "pipeline__memory_limit": 0.5, "output__export": False}
+    full = _config(tmp_path / "full", output__save_every=0, **auto)
+    first = _config(tmp_path / "resumed", steps=2, **auto)
+    resumed = _config(tmp_path / "resumed", output__resume=True, **auto)
+    results = run_on_ranks(_auto_worker, 2, [full, first, resumed], cache, timeout=300)
+    assert results[0] == results[1]
+    (losses, decision), (head, probed), (tail, again) = results[0]
+    _close(losses, _run(_config(tmp_path / "reference", output__export=False), cache))
+    _close(head + tail, losses)
+    assert again == probed  # the resumed run took the recorded choice, not a new probe's
+    budget = decision["budget_bytes"]
+    assert budget is not None and all(p <= b for p, b in zip(decision["peak_bytes"], budget, strict=True))
+    recorded = json.loads((tmp_path / "full" / "auto.json").read_text())
+    assert recorded["decision"]["schedule"] == decision["schedule"]
+    assert recorded["measurement"]["stages"]
+
+
 def _preflight(config: dict, pp: int = 2, layers: int | None = 4) -> None:
     preflight(RecipeConfig.from_dict(config), Topology(rank=0, world=pp, local_rank=0, pp=pp, dp=1), layers)
 
@@ -194,6 +223,18 @@ def _preflight(config: dict, pp: int = 2, layers: int | None = 4) -> None:
             "offload needs a multi-stage",
         ),
         ({"pipeline__layers_per_stage": [2, 2]}, 4, "layers_per_stage has 2 entries but there are 4 stages"),
+        (
+            {"pipeline__schedule": "auto", "pipeline__offload": "full"},
+            4,
+            "pipeline.offload cannot be set with pipeline.schedule=auto",
+        ),
+        ({"pipeline__schedule": "auto", "pipeline__memory_limit": 1.5}, 4, r"memory_limit=1.5: a fraction"),
+        (
+            {"pipeline__activation_budget_gib": 1.0},
+            4,
+            "activation_budget_gib goes with pipeline.schedule=auto",
+        ),
+        ({"pipeline__schedule": "auto"}, 3, "the model has 3 layers, fewer than the 4 pipeline stages"),
     ],
 )
 def test_bad_configs_fail_before_any_process_group(

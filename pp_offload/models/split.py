@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_offload.balance import balanced_layers
 from pp_offload.models.families import Family, UnsupportedModelError, family_of
 
 __all__ = ["CausalLMStage", "KeptLayers", "ModelSplit", "balanced_layers", "split_model"]
@@ -197,53 +198,6 @@ class ModelSplit:
     @property
     def stage_indices(self) -> list[int]:
         return list(self.stages)
-
-
-def balanced_layers(num_layers: int, num_stages: int, *, first_extra: float, last_extra: float) -> list[int]:
-    """Layers per stage, contiguous, minimising the heaviest stage's work in layer units.
-
-    ``first_extra`` / ``last_extra`` are the work of the embedding and of the final norm + LM head, in
-    layer units; every stage gets at least one layer. Ties go to the split that keeps the first and last
-    stages lightest (they also hold the embedding / head memory).
-    """
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if num_layers < num_stages:
-        raise ValueError(
-            f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages: use fewer "
-            "pipeline ranks or stages per rank, or a model with more layers"
-        )
-    extra = [0.0] * num_stages
-    extra[0] += first_extra
-    extra[-1] += last_extra
-    best: tuple[float, float, list[int]] | None = None
-    total = num_layers + first_extra + last_extra
-    # the heaviest stage is at least total / num_stages; try caps upwards in steps that change the answer
-    candidates = sorted({n + e for n in range(1, num_layers + 1) for e in (0.0, first_extra, last_extra)})
-    for cap in (c for c in candidates if c >= total / num_stages - 1e-9):
-        split = _fill(num_layers, num_stages, extra, cap)
-        if split is None:
-            continue
-        ends = (split[0] + extra[0]) + (split[-1] + extra[-1])
-        best = (cap, ends, split)
-        break
-    assert best is not None  # the cap num_layers + max extra always fits
-    return best[2]
-
-
-def _fill(num_layers: int, num_stages: int, extra: list[float], cap: float) -> list[int] | None:
-    """Greedy from the back (keeps the last stage light): layers per stage with each stage's load <= cap."""
-    split = [0] * num_stages
-    left = num_layers
-    for s in range(num_stages - 1, -1, -1):
-        stages_before = s
-        room = int(cap - extra[s] + 1e-9)
-        take = min(room, left - stages_before)
-        if take < 1:
-            return None
-        split[s] = take
-        left -= take
-    return split if left == 0 else None
 
 
 def _head_work(model: nn.Module, family: Family) -> float:

@@ -127,15 +127,11 @@ def setup_schedule(
         )
     scale = lay.chunks_per_stage
     host = max(st.activation.saved for st in stages)
-
-    def per_chunk(kind: str) -> float:
-        # the busiest rank's time per microbatch over the 2 chunk units every rank holds
-        return max(sum(getattr(stages[s].times, kind) for s in lay.stages_of(r)) for r in range(pp)) / 2.0
-
+    per_chunk = chunk_pass_times([st.times for st in stages], lay)
     costs = Costs(
-        F=per_chunk("F"),
-        I=per_chunk("I"),
-        W=per_chunk("W"),
+        F=per_chunk.F,
+        I=per_chunk.I,
+        W=per_chunk.W,
         comm=p2p_seconds(spec, machine, precision, microbatch_size=microbatch_size, seq_len=seq_len),
         transfer=transfer_seconds(host, machine) / scale,
     )
@@ -184,6 +180,16 @@ def setup_schedule(
     return Setup(schedule, lay, layers, stages, costs, state, recv, transient, reserve, problem=problem)
 
 
+def chunk_pass_times(times: list[PassTimes], lay: Layout) -> PassTimes:
+    """The simulator's per-chunk F, I and W (module doc, 2): per kind, the busiest rank's time per
+    microbatch (``times[s]``: stage ``s``'s passes) over the 2 chunk units every rank holds."""
+
+    def per_chunk(kind: str) -> float:
+        return max(sum(getattr(times[s], kind) for s in lay.stages_of(r)) for r in range(lay.num_ranks)) / 2.0
+
+    return PassTimes(F=per_chunk("F"), I=per_chunk("I"), W=per_chunk("W"))
+
+
 def choose_adaptive_limit(setup: Setup, *, limit_bytes: int, num_microbatches: int) -> None:
     """The adaptive schedule's cap: the most chunk units every rank can hold within ``limit_bytes`` next to
     its static memory, between the V floor (2 units) and 1F1B's peak (``2 * min(d, m)``)."""
@@ -214,6 +220,7 @@ class PolicyResult:
     reload_wait: float
     offloaded: int  # chunks offloaded
     chunks: int  # chunks in the order
+    offloaded_per_rank: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -249,8 +256,18 @@ def build_orders(setup: Setup, sizes: list[int], *, search: str, virtual_stages:
     return out
 
 
-def evaluate_orders(setup: Setup, orders: OrderSet, policy: Any) -> list[PolicyResult]:
-    """Replay every size's order under ``policy`` (anything `resolve_offload` accepts)."""
+def evaluate_orders(
+    setup: Setup, orders: OrderSet, policy: Any, *, synchronous_copies: bool = False
+) -> list[PolicyResult]:
+    """Replay every size's order under ``policy`` (anything `resolve_offload` accepts).
+
+    ``synchronous_copies``: copies run on the compute thread and end where their action stands (CPU
+    stores), not on copy lanes: memory is replayed with instant copies (an OFFLOAD frees its chunk right
+    after the preceding pass), while the offload plan still uses ``setup.costs.transfer``; the copies' time
+    is then the caller's to add.
+    """
+    import dataclasses
+
     from pp_offload.order.offload import plan_offload, resolve_offload
     from pp_offload.sim import simulate
 
@@ -261,10 +278,15 @@ def evaluate_orders(setup: Setup, orders: OrderSet, policy: Any) -> list[PolicyR
         if resolved.enabled:
             planned = plan_offload(order, setup.costs, resolved)
             sim = planned.sim
-            offloaded = sum(len(v) for v in planned.offloaded.values())
+            per_rank = [len(planned.offloaded.get(r, ())) for r in sorted(sim.timeline)]
         else:
             sim = simulate(order, setup.costs)
-            offloaded = 0
+            per_rank = [0] * len(sim.timeline)
+        memory_sim = sim
+        if synchronous_copies and resolved.enabled:
+            instant = dataclasses.replace(setup.costs, transfer=0.0)
+            memory_sim = simulate(planned.order, instant, copy_lanes=resolved.lanes)
+        offloaded = sum(per_rank)
         chunks = sum(1 for tl in sim.timeline.values() for (_, kind, _), _, _ in tl if kind == F)
         results.append(
             PolicyResult(
@@ -272,10 +294,11 @@ def evaluate_orders(setup: Setup, orders: OrderSet, policy: Any) -> list[PolicyR
                 makespan=sim.makespan,
                 busy=max(sim.busy.values()),
                 peak_units=[sim.peak_memory[r] for r in sorted(sim.peak_memory)],
-                activation=activation_peaks(sim, setup),
+                activation=activation_peaks(memory_sim, setup),
                 reload_wait=sim.total_reload_wait,
                 offloaded=offloaded,
                 chunks=chunks,
+                offloaded_per_rank=per_rank,
             )
         )
     return results

@@ -45,7 +45,9 @@ class ModelConfig:
 
 @dataclass
 class PipelineConfig:
-    """How the model is pipelined: any of our schedules or torch's (see ``pp_offload.runtime.catalog``)."""
+    """How the model is pipelined: any of our schedules or torch's (see ``pp_offload.runtime.catalog``), or
+    ``auto``: probe the real costs, then pick schedule and offload within the memory limit
+    (`pp_offload.recipe.auto`)."""
 
     schedule: str = "ScheduleVHalf"
     microbatches: int = 8
@@ -55,7 +57,10 @@ class PipelineConfig:
     stages_per_rank: int | None = None  # loop schedules only (default 2)
     layers_per_stage: list[int] | None = None
     offload: Any = "none"
-    memory_limit: float | None = None  # ScheduleVAdaptive only
+    # ScheduleVAdaptive or auto: per-rank activation memory as a fraction of 1F1B's, in (0, 1]
+    memory_limit: float | None = None
+    activation_budget_gib: float | None = None  # auto: per-rank device-resident activation budget
+    auto_probe_steps: int = 2  # auto: probe steps timed before choosing (no weight update)
     costs: dict[str, float] | None = None  # relative F/I/W durations for our schedules
 
 

@@ -7,6 +7,7 @@ ranks waiting in a collective for a rank that already died.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -235,6 +236,11 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
     Run on every rank before joining the group, so a bad config stops all ranks alike, at once.
     """
     spec = config.pipeline
+    auto = str(spec.schedule).lower() == "auto"
+    if auto:
+        _check_auto(spec)
+        config = dataclasses.replace(config, pipeline=dataclasses.replace(spec, schedule="ScheduleVMin"))
+        spec = config.pipeline
     try:
         info = schedule_info(spec.schedule)
         per_rank = info.stages_per_rank(spec.stages_per_rank)
@@ -254,7 +260,12 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
         given = [key for key in _OURS_ONLY if getattr(spec, key) is not None]
         if given:
             raise ConfigError(f"pipeline.{given[0]} applies to pp_offload's schedules only, not {info.name}")
-    if (spec.memory_limit is not None) != (info.name == "ScheduleVAdaptive"):
+    if spec.activation_budget_gib is not None and not auto:
+        raise ConfigError(
+            "pipeline.activation_budget_gib goes with pipeline.schedule=auto (which picks a schedule within "
+            f"it); with a named schedule ({info.name}) use ScheduleVAdaptive's memory_limit or offload"
+        )
+    if (spec.memory_limit is not None) != (info.name == "ScheduleVAdaptive") and not auto:
         raise ConfigError(
             "pipeline.memory_limit (a fraction of 1F1B's activation memory, e.g. 0.5) goes with "
             f"pipeline.schedule=ScheduleVAdaptive and only with it (schedule: {info.name}, "
@@ -279,6 +290,29 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
     return info
 
 
+def _check_auto(spec: Any) -> None:
+    """``schedule: auto`` chooses schedule, offload and costs itself; it takes only the memory limits."""
+    given = [k for k in ("costs", "layers_per_stage", "stages_per_rank") if getattr(spec, k) is not None]
+    if spec.offload not in (None, "none"):
+        given.insert(0, "offload")
+    if given:
+        raise ConfigError(
+            f"pipeline.{given[0]} cannot be set with pipeline.schedule=auto (auto chooses the schedule, the "
+            "offload policy and the costs from a probe step); remove it, or name a schedule instead of auto"
+        )
+    limit = spec.memory_limit
+    if limit is not None and not (isinstance(limit, (int, float)) and 0 < limit <= 1):
+        raise ConfigError(
+            f"pipeline.memory_limit={limit!r}: a fraction of 1F1B's activation memory in (0, 1], e.g. 0.5"
+        )
+    budget = spec.activation_budget_gib
+    if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
+        raise ConfigError(f"pipeline.activation_budget_gib={budget!r} must be a number of GiB > 0")
+    steps = spec.auto_probe_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"pipeline.auto_probe_steps={steps!r} must be an int >= 1")
+
+
 def num_layers_of(config: RecipeConfig) -> int | None:
     """The model's layer count from its config alone (no weights loaded), or None if it cannot be read."""
     from transformers import AutoConfig
@@ -299,10 +333,16 @@ def num_layers_of(config: RecipeConfig) -> int | None:
 
 
 def build_pipeline(
-    config: RecipeConfig, model: nn.Module, topo: Topology, device: torch.device, mesh: DeviceMesh
+    config: RecipeConfig,
+    model: nn.Module,
+    topo: Topology,
+    device: torch.device,
+    mesh: DeviceMesh,
+    *,
+    shard: bool = True,
 ) -> Pipeline:
-    """Split ``model`` for this rank, shard it over the data-parallel ranks when ``pipeline.dp > 1``, and
-    build its ``PipelineStage``s (on this replica's pipeline group) and the configured schedule."""
+    """Split ``model`` for this rank, shard it over the data-parallel ranks when ``pipeline.dp > 1`` (and
+    ``shard``), and build its ``PipelineStage``s (on this replica's pipeline group) and the schedule."""
     from torch.distributed.pipelining import PipelineStage
 
     from pp_offload.parallel import activation_checkpointing, apply_fsdp
@@ -324,7 +364,7 @@ def build_pipeline(
     if config.train.activation_checkpointing:
         activation_checkpointing(split)
     sharded = None
-    if topo.dp > 1:
+    if topo.dp > 1 and shard:
         sharded = apply_fsdp(
             split, mesh, mixed_precision=config.train.precision, split_backward=info.split_backward
         )

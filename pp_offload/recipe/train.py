@@ -43,6 +43,7 @@ from pp_offload.data import (
 )
 from pp_offload.models import TokenCrossEntropy, export_pretrained
 from pp_offload.parallel import build_mesh, clip_grad_norm_, grad_norm
+from pp_offload.recipe.auto import choose_schedule, is_auto
 from pp_offload.recipe.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.parts import (
@@ -74,6 +75,10 @@ class RunResult:
     schedule: str = ""
     tokens_per_s: float = 0.0
     timeline_png: Path | None = None
+    auto: dict[str, Any] | None = None  # schedule: auto's decision (the same on every rank)
+
+
+_AUTO_SUMMARY = ("schedule", "offload", "memory_limit", "predicted_step_s", "peak_bytes", "reason")
 
 
 def _lr_at(config: RecipeConfig, step: int) -> float:
@@ -242,10 +247,22 @@ def _run(
     model = load_model(config, tokenizer)
     pipeline: Pipeline | None = None
     reference: _Reference | None = None
+    decision = None
     if topo.distributed:
         mesh = build_mesh(
             topo.pp, topo.dp, device_type=device.type, dp_replicate=config.pipeline.dp_replicate
         )
+        if is_auto(config):
+            resuming = config.output.resume and latest_step(out / "checkpoints") is not None
+            first = {k: v.to(device) for k, v in batches.batch(latest_step(out / "checkpoints") or 0).items()}
+
+            def probe_step(probe: Pipeline) -> None:
+                with _autocast(config, device, topo):
+                    _pipeline_step(probe, first)
+
+            config, decision = choose_schedule(
+                config, model, topo, device, mesh, probe_step, out, reuse=resuming
+            )
         pipeline = build_pipeline(config, model, topo, device, mesh)
         module = pipeline.module
     else:
@@ -263,6 +280,8 @@ def _run(
     ckpt_root = out / "checkpoints"
     start = 0
     result = RunResult(output_dir=out, schedule=pipeline.info.name if pipeline else "single process")
+    if decision is not None:
+        result.auto = decision.to_dict()
     if config.output.resume and latest_step(ckpt_root) is not None:
         start = load_checkpoint(ckpt_root, module, optimizer)
         result.resumed_from = start
@@ -352,6 +371,7 @@ def _run(
             "tokens_per_s": result.tokens_per_s,
             "export_dir": str(result.export_dir) if result.export_dir else None,
             "timeline_png": str(result.timeline_png) if result.timeline_png else None,
+            "auto": None if result.auto is None else {k: result.auto[k] for k in _AUTO_SUMMARY},
             "config": config.to_dict(),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

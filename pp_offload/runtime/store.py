@@ -298,6 +298,10 @@ class ActivationStore:
         self._two_lanes = cuda and self.reload_stream is not self.copy_stream
         self._pool = _HostPool(pin_memory=bool(pin_memory))
         self._chunks: dict[Hashable, _Chunk] = {}
+        self.last_captured: dict[Hashable, int] = {}
+        """Per chunk key, the bytes its latest capture recorded (what offload moves: the chunk's saved
+        activations, views counted once). Kept after release and reset, so a step's chunk sizes can be
+        read after the step (e.g. by `pp_offload.plan.auto.measure_step`); one entry per key."""
 
     # --- the chunk's life ----------------------------------------------------------------------------
 
@@ -323,6 +327,7 @@ class ActivationStore:
         finally:
             self._plan(chunk)
             chunk.state = _CAPTURED
+            self.last_captured[key] = chunk.captured_bytes
 
     def offload(self, key: Hashable) -> None:
         """Start copying chunk ``key`` to host memory; its device memory is released when the copy ends.

@@ -45,7 +45,14 @@ import torch.distributed as dist
 
 from pp_offload.runtime import compat
 
-__all__ = ["ActionEvent", "ActionTimer", "action_category", "realized_bubble", "record_actions"]
+__all__ = [
+    "ActionEvent",
+    "ActionTimer",
+    "action_category",
+    "parse_action",
+    "realized_bubble",
+    "record_actions",
+]
 
 _COMPUTE_KINDS = frozenset({"F", "I", "W", "B"})
 _COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
@@ -81,6 +88,16 @@ def action_category(action: str) -> str:
     if kind in _COPY_KINDS:
         return "copy"
     return "other"
+
+
+def parse_action(action: str) -> tuple[int, str, int | None] | None:
+    """``"2F0"`` -> ``(2, "F", 0)``, ``"3OFFLOAD1"`` -> ``(3, "OFFLOAD", 1)``; None for anything else
+    (``wait:`` events, composite actions)."""
+    match = _ACTION_RE.match(action)
+    if match is None:
+        return None
+    stage, kind, mb = match.groups()
+    return int(stage), kind, int(mb) if mb else None
 
 
 class ActionTimer:

@@ -1,0 +1,509 @@
+"""``schedule: auto``: pick the pipeline schedule and offload policy from a probe step's measured costs.
+
+    from pp_offload.plan.auto import PROBE_OFFLOAD, PROBE_SCHEDULE, choose, measure_step
+    probe = ScheduleVMin(stages, m, loss_fn=loss_fn, offload=PROBE_OFFLOAD)     # PROBE_SCHEDULE
+    measured = measure_step(probe, lambda: probe.step(...), group=pp_group)   # same on every rank
+    decision = choose(measured, num_microbatches=m, memory_limit=0.5)        # pure, deterministic
+    schedule = <decision.schedule>(stages, m, costs=decision.costs, offload=decision.offload, ...)
+
+Why a probe and not the planner's formulas: the decision is only as good as its costs, and one step on the
+real model and hardware measures them (pass times per stage, the bytes autograd saves, the copy time of a
+chunk to host) better than any preset. `choose` is then pure Python on the `Measurement`, so every rank
+reaches the same decision (and the recipe can still broadcast rank 0's `AutoDecision.to_dict`).
+
+How each candidate (schedule x offload policy) is judged, with the planner's machinery
+(`pp_offload.plan.evaluate`): every candidate holds 2 stages per rank, so stage ``s`` has the same layers
+under V and loop placement and its measured costs apply as they are. The simulator's per-chunk F/I/W are
+the busiest rank's measured time per microbatch per kind over 2 (per placement), ``comm`` the measured p2p
+time, ``transfer`` the slowest stage's measured copy time. Orders are built as the schedule classes build
+them and rewritten as torch executes them (stage 0's backward whole at W); offload plans come from
+`pp_offload.order.offload.plan_offload`; the step time is the simulated makespan and the memory the peak of
+each rank's device-resident saved bytes in a replay with each stage's measured bytes. Where copies are
+synchronous (CPU), the busiest rank's copy time is added to the step time: the simulator's copy lanes would
+hide it. ``ScheduleVAdaptive`` is judged at the largest memory cap (chunk units) that fits, per policy.
+
+Memory budget per rank: ``memory_limit`` x 1F1B's peak (``2 * min(d, m)`` chunk units, i.e.
+``min(d, m)`` microbatches of the rank's two V stages' measured bytes), and/or ``activation_budget_bytes``.
+The fastest candidate that fits wins; candidates within 1 % of it are ties, broken by less memory, then no
+offload, then pp_offload's own schedules.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pp_offload.order.actions import Costs
+from pp_offload.plan.costs import PassTimes
+from pp_offload.plan.evaluate import (
+    Setup,
+    StageProfile,
+    build_orders,
+    chunk_pass_times,
+    combine,
+    evaluate_orders,
+    simulation_sizes,
+)
+from pp_offload.plan.memory import ChunkActivation, StateBytes
+from pp_offload.plan.orders import OURS, canonical_schedule, layout, microbatch_problem, resolve_search
+from pp_offload.plan.probe import PROBE_OFFLOAD, PROBE_SCHEDULE, Measurement, StageMeasurement, measure_step
+
+__all__ = [
+    "DEFAULT_OFFLOAD",
+    "DEFAULT_SCHEDULES",
+    "PROBE_OFFLOAD",
+    "PROBE_SCHEDULE",
+    "AutoCandidate",
+    "AutoDecision",
+    "AutoError",
+    "Measurement",
+    "StageMeasurement",
+    "choose",
+    "costs_for",
+    "measure_step",
+]
+
+DEFAULT_SCHEDULES = (
+    "ScheduleVMin",
+    "ScheduleVHalf",
+    "ScheduleVZB",
+    "ScheduleVAdaptive",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZBVZeroBubble",
+)
+DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full")
+_TIE = 0.01
+_MS = 1e3
+_MiB = float(1 << 20)
+
+
+class AutoError(ValueError):
+    """No candidate fits the memory budget; the message says by how much the closest misses and what
+    budget would admit the lowest-memory one."""
+
+
+@dataclass(frozen=True)
+class AutoCandidate:
+    """One schedule x offload policy as `choose` judged it (times in seconds, bytes per rank)."""
+
+    schedule: str
+    offload: str
+    memory_limit: float | None
+    predicted_step_s: float | None
+    peak_bytes: list[int]
+    fits: bool
+    bubble: float | None = None
+    offloaded_share: float = 0.0
+    problem: str | None = None
+
+    @property
+    def max_peak(self) -> int:
+        return max(self.peak_bytes) if self.peak_bytes else 0
+
+
+@dataclass
+class AutoDecision:
+    """What `choose` picked and why. ``costs`` (ms) go to the schedule's ``costs=`` (and enable_offload's)
+    so its order and offload plan are built for the measured costs, as predicted. ``peak_bytes`` is the
+    predicted device-resident saved-activation peak of each pipeline rank; ``budget_bytes`` each rank's
+    budget (None: no memory constraint). ``candidates`` are ranked: the pick first, then the others that
+    fit by step time, then those that do not fit."""
+
+    schedule: str
+    offload: str
+    memory_limit: float | None
+    costs: dict[str, float]
+    predicted_step_s: float
+    peak_bytes: list[int]
+    reason: str
+    candidates: list[AutoCandidate] = field(default_factory=list)
+    budget_bytes: list[int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (the recipe broadcasts it from rank 0); `from_dict` inverts it."""
+        out = asdict(self)
+        out["candidates"] = [asdict(c) for c in self.candidates]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AutoDecision:
+        data = dict(data)
+        data["candidates"] = [AutoCandidate(**c) for c in data.get("candidates", ())]
+        return cls(**data)
+
+    def table(self) -> str:
+        """The ranked candidates: predicted step time, peak per rank (max), whether it fits."""
+        budget = (
+            "none" if self.budget_bytes is None else f"{max(self.budget_bytes) / _MiB:.3f} MiB (max rank)"
+        )
+        lines = [
+            f"auto: {self.schedule} offload={self.offload}"
+            + (f" memory_limit={self.memory_limit:.3f}" if self.memory_limit is not None else ""),
+            f"reason: {self.reason}",
+            f"budget per rank: {budget}",
+            f"{'#':>3} {'schedule':26} {'offload':15} {'step ms':>9} {'bubble':>7} {'peak MiB':>9} fits",
+        ]
+        for k, c in enumerate(self.candidates, 1):
+            name = c.schedule + (f"({c.memory_limit:.2f})" if c.memory_limit is not None else "")
+            step = f"{c.predicted_step_s * _MS:9.2f}" if c.predicted_step_s is not None else f"{'-':>9}"
+            bubble = f"{c.bubble:7.1%}" if c.bubble is not None else f"{'-':>7}"
+            peak = f"{c.max_peak / _MiB:9.3f}" if c.peak_bytes else f"{'-':>9}"
+            fits = "yes" if c.fits else ("no: " + c.problem if c.problem else "no")
+            lines.append(f"{k:>3} {name:26} {c.offload:15} {step} {bubble} {peak} {fits}")
+        return "\n".join(lines)
+
+
+def choose(
+    measurement: Measurement,
+    *,
+    num_microbatches: int,
+    memory_limit: float | None = None,
+    activation_budget_bytes: int | None = None,
+    schedules: Sequence[str] | None = None,
+    offload: Sequence[str] | None = None,
+) -> AutoDecision:
+    """The fastest schedule x offload policy whose predicted per-rank activation peak fits (module doc).
+
+    memory_limit: per-rank device-resident activation peak as a fraction of 1F1B's, in (0, 1].
+    activation_budget_bytes: per-rank budget of device-resident saved-activation bytes (>= 0). Both may be
+        given (both must hold); neither: the fastest candidate.
+    schedules / offload: the candidates (default `DEFAULT_SCHEDULES` x `DEFAULT_OFFLOAD`); schedules must
+        hold 2 stages per rank, offload entries are strings `resolve_offload` accepts.
+    Raises `AutoError` when nothing fits, ValueError on bad arguments. Deterministic.
+    """
+    if not isinstance(measurement, Measurement):
+        raise TypeError(f"choose needs a Measurement (from measure_step), got {type(measurement).__name__}")
+    m = _check_count(num_microbatches)
+    names = _check_schedules(schedules)
+    policies = _check_policies(offload)
+    d = measurement.num_ranks
+    budget = _budget(measurement, m, memory_limit, activation_budget_bytes)
+    candidates: list[AutoCandidate] = []
+    for name in names:
+        setup = _setup(measurement, name, m)
+        if setup.problem is not None:
+            candidates += [
+                AutoCandidate(name, p, None, None, [], False, problem=setup.problem) for p in policies
+            ]
+        elif name == "ScheduleVAdaptive":
+            candidates += _adaptive(setup, measurement, m, policies, budget)
+        else:
+            orders = build_orders(
+                setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
+            )
+            for policy in policies:
+                candidates.append(_judge(setup, orders, measurement, m, policy, budget))
+    ranked = _rank(candidates)
+    best = ranked[0]
+    if not best.fits:
+        raise AutoError(_nothing_fits(ranked, measurement, m, budget, memory_limit, activation_budget_bytes))
+    return AutoDecision(
+        schedule=best.schedule,
+        offload=best.offload,
+        memory_limit=best.memory_limit,
+        costs=costs_for(measurement, best.schedule, num_microbatches=m),
+        predicted_step_s=float(best.predicted_step_s),
+        peak_bytes=list(best.peak_bytes),
+        reason=_reason(ranked, budget),
+        candidates=ranked,
+        budget_bytes=budget,
+    )
+
+
+def costs_for(measurement: Measurement, schedule: str, *, num_microbatches: int = 1) -> dict[str, float]:
+    """The measured costs (ms) ``choose`` simulates ``schedule`` with: what to pass as its ``costs=`` when
+    building it by hand, so its order and offload plan match the prediction."""
+    costs = _setup(measurement, canonical_schedule(schedule), _check_count(num_microbatches)).costs
+    return {k: getattr(costs, k) for k in ("F", "I", "W", "comm", "transfer")}
+
+
+# --- inputs --------------------------------------------------------------------------------------------
+
+
+def _check_count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"num_microbatches must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_schedules(schedules: Sequence[str] | None) -> list[str]:
+    if schedules is None:
+        return list(DEFAULT_SCHEDULES)
+    if isinstance(schedules, str):
+        schedules = [schedules]
+    names = []
+    for s in schedules:
+        name = canonical_schedule(s)  # ValueError naming the known ones
+        if layout(name, 2).num_stages != 4:
+            raise ValueError(
+                f"{name} holds one stage per rank, a different layer split than the probe's two stages per "
+                "rank; auto chooses among schedules with two stages per rank (V or loop placement)"
+            )
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("schedules is empty; give at least one schedule name, or None for the defaults")
+    return names
+
+
+def _check_policies(offload: Sequence[str] | None) -> list[str]:
+    from pp_offload.order.offload import resolve_offload
+
+    if offload is None:
+        return list(DEFAULT_OFFLOAD)
+    if isinstance(offload, str):
+        offload = [offload]
+    out = []
+    for p in offload:
+        if p is not None and not isinstance(p, str):
+            raise ValueError(f"offload policies are strings like 'none', 'full', 'selective:0.5', got {p!r}")
+        policy = resolve_offload(p)  # ValueError on a bad one
+        if policy.mode == "auto":
+            raise ValueError(
+                "offload 'auto' depends on costs the rebuilt schedule derives itself; name a policy"
+            )
+        text = "none" if not policy.enabled else p.strip().lower()
+        if text not in out:
+            out.append(text)
+    if not out:
+        raise ValueError(
+            "offload is empty; give at least one policy ('none' included), or None for the defaults"
+        )
+    return out
+
+
+def _reference_bytes(measurement: Measurement, m: int) -> list[int]:
+    """Per rank, 1F1B's activation peak in bytes: ``min(d, m)`` microbatches of the rank's two V stages."""
+    d = measurement.num_ranks
+    st = measurement.stages
+    return [min(d, m) * (st[r].saved_bytes + st[2 * d - 1 - r].saved_bytes) for r in range(d)]
+
+
+def _budget(
+    measurement: Measurement, m: int, memory_limit: float | None, absolute: int | None
+) -> list[int] | None:
+    if memory_limit is not None:
+        if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real):
+            raise ValueError(f"memory_limit must be a number in (0, 1], got {memory_limit!r}")
+        if not 0.0 < float(memory_limit) <= 1.0:
+            raise ValueError(
+                "memory_limit must be in (0, 1] (fraction of 1F1B's peak activation memory), "
+                f"got {memory_limit!r}"
+            )
+    if absolute is not None:
+        if isinstance(absolute, bool) or not isinstance(absolute, numbers.Integral):
+            raise ValueError(f"activation_budget_bytes must be an int >= 0, got {absolute!r}")
+        if absolute < 0:
+            raise ValueError(f"activation_budget_bytes must be >= 0 (bytes per rank), got {absolute}")
+    if memory_limit is None and absolute is None:
+        return None
+    d = measurement.num_ranks
+    limits = [math.inf] * d
+    if memory_limit is not None:
+        limits = [math.floor(float(memory_limit) * ref) for ref in _reference_bytes(measurement, m)]
+    if absolute is not None:
+        limits = [min(x, int(absolute)) for x in limits]
+    return [int(x) for x in limits]
+
+
+# --- judging candidates --------------------------------------------------------------------------------
+
+
+def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
+    """A planner `Setup` from measured numbers (ms, bytes); nothing static counted (activations only)."""
+    d = measurement.num_ranks
+    lay = layout(schedule, d)
+    n = lay.num_stages
+    stages = [
+        StageProfile(
+            layers=0,
+            first=s == 0,
+            last=s == n - 1,
+            activation=ChunkActivation(saved=st.saved_bytes),
+            times=PassTimes(st.F * _MS, st.I * _MS, st.W * _MS),
+            params=0,
+        )
+        for s, st in enumerate(measurement.stages)
+    ]
+    per_chunk = chunk_pass_times([st.times for st in stages], lay)
+    floor = 1e-6  # Costs needs F, I, W > 0
+    costs = Costs(
+        F=max(per_chunk.F, floor),
+        I=max(per_chunk.I, floor),
+        W=max(per_chunk.W, floor),
+        comm=measurement.comm * _MS,
+        transfer=max(max(st.offload, st.reload) for st in measurement.stages) * _MS / lay.chunks_per_stage,
+    )
+    zero = StateBytes(0, 0, 0)
+    return Setup(
+        schedule,
+        lay,
+        [0] * n,
+        stages,
+        costs,
+        [zero] * d,
+        [0] * d,
+        [0] * d,
+        0,
+        problem=microbatch_problem(schedule, d, m),
+    )
+
+
+def _judge(
+    setup: Setup, orders: Any, measurement: Measurement, m: int, policy: str, budget: list[int] | None
+) -> AutoCandidate:
+    name, limit = setup.schedule, setup.memory_limit
+    if orders.error is not None:
+        return AutoCandidate(name, policy, limit, None, [], False, problem=orders.error)
+    results = evaluate_orders(setup, orders, policy, synchronous_copies=not measurement.copies_overlap)
+    combined = combine(results, m)
+    step_ms = combined["makespan"]
+    if not measurement.copies_overlap:
+        # synchronous copies run on the compute thread: the busiest rank's copies lengthen the step
+        last = results[-1]
+        per_rank = max(last.offloaded_per_rank, default=0) * m / last.size
+        step_ms += 2.0 * setup.costs.transfer * setup.layout.chunks_per_stage * per_rank
+    peaks = [int(p) for p in combined["activation"]]
+    fits = budget is None or all(p <= b for p, b in zip(peaks, budget, strict=True))
+    return AutoCandidate(
+        name,
+        policy,
+        limit,
+        step_ms / _MS,
+        peaks,
+        fits,
+        bubble=combined["bubble"],
+        offloaded_share=combined["offloaded_share"],
+    )
+
+
+def _adaptive(
+    setup: Setup, measurement: Measurement, m: int, policies: list[str], budget: list[int] | None
+) -> list[AutoCandidate]:
+    """Per policy, ScheduleVAdaptive at the largest cap (chunk units, 2 .. 1F1B's) that fits the budget;
+    at the smallest cap when none does (so the table shows how far it misses)."""
+    d = measurement.num_ranks
+    reference = 2 * min(d, m)
+    found: dict[str, AutoCandidate] = {}
+    for cap in range(reference, 1, -1):
+        setup.memory_cap, setup.memory_limit = float(cap), cap / reference
+        orders = build_orders(
+            setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
+        )
+        for policy in policies:
+            if policy in found and found[policy].fits:
+                continue
+            found[policy] = _judge(setup, orders, measurement, m, policy, budget)
+        if all(c.fits for c in found.values()):
+            break
+    return [found[p] for p in policies]
+
+
+def _rank(candidates: list[AutoCandidate]) -> list[AutoCandidate]:
+    """The pick first (fastest that fits; within 1 %: less memory, then no offload, then ours), then the
+    other fitting candidates by step time, then the rest (simulated before unbuildable, by step time)."""
+
+    def order(c: AutoCandidate) -> tuple[Any, ...]:
+        return (
+            c.predicted_step_s,
+            c.max_peak,
+            c.offload != "none",
+            c.schedule not in OURS,
+            c.schedule,
+            c.offload,
+        )
+
+    fitting = sorted((c for c in candidates if c.fits), key=order)
+    rest = sorted(
+        (c for c in candidates if not c.fits),
+        key=lambda c: (
+            c.predicted_step_s is None,
+            c.max_peak,
+            c.predicted_step_s or 0.0,
+            c.schedule,
+            c.offload,
+        ),
+    )
+    if fitting:
+        fastest = fitting[0].predicted_step_s
+        tied = [c for c in fitting if c.predicted_step_s <= fastest * (1.0 + _TIE)]
+        pick = min(
+            tied,
+            key=lambda c: (
+                c.max_peak,
+                c.offload != "none",
+                c.schedule not in OURS,
+                c.memory_limit is not None,  # a fixed schedule before the adaptive one at the same cost
+                *order(c),
+            ),
+        )
+        fitting.remove(pick)
+        fitting.insert(0, pick)
+    return fitting + rest
+
+
+def _label(c: AutoCandidate) -> str:
+    limit = f" (memory_limit {c.memory_limit:.2f})" if c.memory_limit is not None else ""
+    how = "without offload" if c.offload == "none" else f"with offload {c.offload}"
+    return f"{c.schedule}{limit} {how}"
+
+
+def _reason(ranked: list[AutoCandidate], budget: list[int] | None) -> str:
+    pick = ranked[0]
+    fitting = [c for c in ranked if c.fits]
+    where = "of all candidates" if budget is None else f"of the {len(fitting)} candidates within the budget"
+    text = (
+        f"{_label(pick)} is the fastest {where}: predicted {pick.predicted_step_s * _MS:.2f} ms per step, "
+        f"peak {pick.max_peak / _MiB:.3f} MiB per rank"
+    )
+    if len(fitting) > 1 and fitting[1].predicted_step_s < pick.predicted_step_s:
+        fastest = min(fitting, key=lambda c: c.predicted_step_s)
+        text += (
+            f" (within 1% of {_label(fastest)} at {fastest.predicted_step_s * _MS:.2f} ms, with less memory, "
+            "no offload or our schedule as the tie-break)"
+        )
+    return text + "."
+
+
+def _nothing_fits(
+    ranked: list[AutoCandidate],
+    measurement: Measurement,
+    m: int,
+    budget: list[int] | None,
+    memory_limit: float | None,
+    absolute: int | None,
+) -> str:
+    simulated = [c for c in ranked if c.peak_bytes]
+    asked = " and ".join(
+        x
+        for x in (
+            f"memory_limit={memory_limit}" if memory_limit is not None else "",
+            f"activation_budget_bytes={absolute}" if absolute is not None else "",
+        )
+        if x
+    )
+    if not simulated:
+        problems = "; ".join(sorted({c.problem for c in ranked if c.problem}))
+        return f"no candidate schedule can run here: {problems}"
+    assert budget is not None  # without a budget every simulated candidate fits  # noqa: S101
+
+    def overshoot(c: AutoCandidate) -> float:
+        return max(p / b if b > 0 else math.inf for p, b in zip(c.peak_bytes, budget, strict=True))
+
+    closest = min(simulated, key=lambda c: (overshoot(c), c.predicted_step_s))
+    rank = max(range(len(budget)), key=lambda r: closest.peak_bytes[r] - budget[r])
+    over = closest.peak_bytes[rank] - budget[rank]
+    lowest = min(simulated, key=lambda c: (c.max_peak, c.predicted_step_s))
+    refs = _reference_bytes(measurement, m)
+    needed = max((p / ref for p, ref in zip(lowest.peak_bytes, refs, strict=True) if ref > 0), default=0.0)
+    limit_hint = f" or memory_limit >= {math.ceil(needed * 1000) / 1000:.3f}" if 0 < needed <= 1 else ""
+    return (
+        f"no schedule x offload candidate fits {asked} ({budget[rank] / _MiB:.3f} MiB on rank {rank}): the "
+        f"closest, {_label(closest)}, peaks at {closest.peak_bytes[rank] / _MiB:.3f} MiB there, "
+        f"{over / _MiB:.3f} MiB ({over / max(budget[rank], 1):.0%}) over. The smallest achievable peak is "
+        f"{lowest.max_peak / _MiB:.3f} MiB per rank ({_label(lowest)}): activation_budget_bytes >= "
+        f"{lowest.max_peak}{limit_hint} would admit it (or use fewer microbatches in flight / more ranks)."
+    )

@@ -1,0 +1,416 @@
+"""Measure one pipeline's real per-stage costs by running it: the input of `pp_offload.plan.auto.choose`.
+
+Why measure instead of estimate: the planner's costs come from FLOP and byte formulas and a machine preset;
+a probe step on the real model, data and hardware gives the numbers that decide which schedule is fastest
+under a memory limit (pass times per stage, the bytes autograd saves, how long a chunk's copy to host
+really takes) at the price of one or two steps.
+
+The probe runs a safe schedule (`PROBE_SCHEDULE`: V-Min, the lowest activation memory of the V family, any
+``m >= 1``) with `PROBE_OFFLOAD` (``"full"``), so the activation store captures every chunk (its captured
+bytes are the offloadable saved activations) and the OFFLOAD/RELOAD actions time real copies.
+`pp_offload.runtime.timing.ActionTimer` records every executed action; the medians per stage and kind
+become a `Measurement`, identical on every rank of the pipeline.
+
+How torch 2.13 runs the first stage under split backward: stage 0 *skips* its I action (it has no input
+gradient to send) and runs its whole backward at W. The probe therefore sees ~0 for stage 0's I and I + W
+for its W; the total is kept and split in the I:W proportion measured on the other stages (``first_stage``
+says so), which is what the simulator needs (`pp_offload.sim.as_executed_by_torch` turns stage 0's I/W
+back into one B of I + W).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["PROBE_OFFLOAD", "PROBE_SCHEDULE", "Measurement", "StageMeasurement", "measure_step"]
+
+PROBE_SCHEDULE = "ScheduleVMin"
+"""Safe: the lowest activation memory of the V family, for any number of microbatches >= 1."""
+PROBE_OFFLOAD = "full"
+"""So the store captures (and times the copies of) every chunk it offloads."""
+
+_MiB = float(1 << 20)
+_P2P_ROUNDS = 20
+
+
+@dataclass(frozen=True)
+class StageMeasurement:
+    """One stage's measured costs. Times in seconds per microbatch (medians), bytes per microbatch.
+
+    offload / reload: one chunk's copy to host / back (seconds); ``copies_estimated`` when the stage had
+    no chunk offloaded in the probe and the copy time was derived from its bytes at the bandwidth measured
+    on the other stages' copies.
+    """
+
+    F: float
+    I: float
+    W: float
+    saved_bytes: int
+    offload: float = 0.0
+    reload: float = 0.0
+    copies_estimated: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("F", "I", "W", "offload", "reload"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"StageMeasurement.{name} must be a number >= 0 (seconds), got {value!r}")
+        if (
+            isinstance(self.saved_bytes, bool)
+            or not isinstance(self.saved_bytes, int)
+            or self.saved_bytes < 0
+        ):
+            raise ValueError(f"StageMeasurement.saved_bytes must be an int >= 0, got {self.saved_bytes!r}")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Measured costs of one pipeline of ``num_ranks`` ranks and ``2 * num_ranks`` stages (stage ``s`` is
+    the same layers whatever the placement, so V and loop schedules read the same numbers).
+
+    comm: one stage output's point-to-point transfer between two ranks (seconds).
+    copies_overlap: True where device<->host copies run beside compute (CUDA copy streams); False where
+        they are synchronous on the compute thread (CPU), so their time adds to the step.
+    first_stage: how stage 0's I and W were obtained (see the module docstring).
+    """
+
+    num_ranks: int
+    stages: tuple[StageMeasurement, ...]
+    comm: float = 0.0
+    copies_overlap: bool = True
+    num_microbatches: int | None = None
+    steps: int = 0
+    schedule: str = PROBE_SCHEDULE
+    offload: str = PROBE_OFFLOAD
+    device: str = "unknown"
+    first_stage: str = "measured"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 2:
+            raise ValueError(f"Measurement.num_ranks must be an int >= 2, got {self.num_ranks!r}")
+        stages = tuple(self.stages)
+        object.__setattr__(self, "stages", stages)
+        if len(stages) != 2 * self.num_ranks:
+            raise ValueError(
+                f"Measurement needs one StageMeasurement per stage: 2 * num_ranks = {2 * self.num_ranks}, "
+                f"got {len(stages)}"
+            )
+        if not all(isinstance(s, StageMeasurement) for s in stages):
+            raise TypeError("Measurement.stages must hold StageMeasurement objects")
+        if not self.comm >= 0:
+            raise ValueError(f"Measurement.comm must be >= 0 seconds, got {self.comm!r}")
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    @classmethod
+    def uniform(
+        cls,
+        num_ranks: int,
+        *,
+        F: float,
+        I: float,
+        W: float,
+        saved_bytes: int,
+        offload: float = 0.0,
+        reload: float | None = None,
+        comm: float = 0.0,
+        copies_overlap: bool = True,
+    ) -> Measurement:
+        """Every stage with the same costs (seconds) and bytes: hand-made inputs for `choose`."""
+        stage = StageMeasurement(
+            F=F,
+            I=I,
+            W=W,
+            saved_bytes=saved_bytes,
+            offload=offload,
+            reload=offload if reload is None else reload,
+        )
+        return cls(
+            num_ranks,
+            (stage,) * (2 * num_ranks),
+            comm=comm,
+            copies_overlap=copies_overlap,
+            device="hand-made",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form; `from_dict` inverts it exactly."""
+        out = asdict(self)
+        out["stages"] = [asdict(s) for s in self.stages]
+        out["notes"] = list(self.notes)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
+        data = dict(data)
+        data["stages"] = tuple(StageMeasurement(**s) for s in data["stages"])
+        data["notes"] = tuple(data.get("notes", ()))
+        return cls(**data)
+
+    def table(self) -> str:
+        """Per stage: its rank (V placement), F/I/W and copy times in ms, saved MiB per microbatch."""
+        d = self.num_ranks
+        head = (
+            f"probe: {self.schedule} offload={self.offload}, {d} ranks, m={self.num_microbatches}, "
+            f"{self.steps} step(s) on {self.device}; comm {self.comm * 1e3:.3f} ms; copies "
+            f"{'overlap compute' if self.copies_overlap else 'synchronous (add to compute)'}; "
+            f"stage 0 I/W {self.first_stage}"
+        )
+        lines = [
+            head,
+            f"{'stage':>5} {'rank':>4} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'saved MiB':>10} "
+            f"{'offload ms':>10} {'reload ms':>10}",
+        ]
+        for s, st in enumerate(self.stages):
+            rank = s if s < d else 2 * d - 1 - s
+            mark = "*" if st.copies_estimated else ""
+            lines.append(
+                f"{s:>5} {rank:>4} {st.F * 1e3:>9.3f} {st.I * 1e3:>9.3f} {st.W * 1e3:>9.3f} "
+                f"{st.saved_bytes / _MiB:>10.3f} {st.offload * 1e3:>10.3f} {st.reload * 1e3:>9.3f}{mark:1}"
+            )
+        if any(st.copies_estimated for st in self.stages):
+            lines.append("* copy time estimated from the stage's bytes at the measured bandwidth")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def measure_step(
+    schedule: Any,
+    step: Callable[[], Any],
+    *,
+    steps: int = 1,
+    group: Any = None,
+    sync_cuda: bool | None = None,
+    comm: float | None = None,
+) -> Measurement:
+    """Run ``step`` (one ``schedule.step(...)``) ``steps`` times while timing every action; return the same
+    `Measurement` on every rank of ``group`` (this pipeline's process group; None = WORLD).
+
+    ``schedule``: a runtime schedule with two stages per rank built with ``offload=PROBE_OFFLOAD`` (its
+    ``schedule.offload.store`` provides the bytes). During the probe every chunk is captured by the store,
+    also those the offload plan skips (too short-lived to gain), so every stage's bytes are known; chunks
+    the plan offloads time the copies. ``sync_cuda`` (default: on CUDA) synchronizes at action boundaries
+    so host times are true durations. ``comm``: one stage output's p2p time in seconds; default measured
+    by a ping-pong between the group's ranks 0 and 1. A collective: every rank of ``group`` must call it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from pp_offload.runtime import compat
+    from pp_offload.runtime.timing import ActionTimer
+
+    runtime = getattr(schedule, "offload", None)
+    if runtime is None or not hasattr(runtime, "store"):
+        raise ValueError(
+            f"measure_step needs the probe schedule built with offload={PROBE_OFFLOAD!r} (its activation "
+            f"store measures the saved bytes), got schedule.offload={runtime!r}; e.g. "
+            f"{PROBE_SCHEDULE}(stages, m, ..., offload={PROBE_OFFLOAD!r})"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    stages = compat.schedule_stages(schedule)
+    d, num_stages = stages[0].group_size, stages[0].num_stages
+    if num_stages != 2 * d:
+        raise ValueError(
+            f"measure_step needs two stages per rank (2 * {d} stages), the schedule has {num_stages}"
+        )
+    store = runtime.store
+    if sync_cuda is None:
+        sync_cuda = store.device.type == "cuda"
+    distributed = dist.is_available() and dist.is_initialized()
+    chunks = {
+        (int(a.stage_index), int(a.microbatch_index))
+        for a in compat.lowered_order(schedule)[stages[0].group_rank]
+        if a is not None and str(getattr(a.computation_type, "value", a.computation_type)) == "F"
+    }
+    m = 1 + max(j for _, j in chunks) if chunks else None
+    extra = chunks - runtime.offloaded
+    outputs: list[tuple[int, str]] = []
+    undo = [_note_outputs(st, outputs) for st in stages]
+    runtime.offloaded |= extra  # capture every chunk (not offloaded: no OFFLOAD action for these)
+    timer = ActionTimer(schedule, sync_cuda=sync_cuda)
+    try:
+        for _ in range(steps):
+            if distributed:
+                dist.barrier(group=group)
+            store.last_captured.clear()
+            step()
+    finally:
+        timer.detach()
+        runtime.offloaded -= extra
+        for fn in reversed(undo):
+            fn()
+    local = {
+        "events": [(e.action, e.end - e.start) for e in timer.events],
+        "bytes": [(int(s), int(j), int(b)) for (s, j), b in store.last_captured.items()],
+        "comm": None,
+    }
+    rank = dist.get_rank(group) if distributed else 0
+    if comm is None and distributed:
+        numel, dtype = outputs[0] if outputs else (1, "float32")
+        seconds = _p2p_seconds(numel, getattr(torch, dtype), store.device, group)
+        local["comm"] = seconds if rank == 0 else None
+    elif comm is not None:
+        local["comm"] = float(comm)
+    parts = [local]
+    if distributed:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, local, group=group)
+    return _summarize(
+        parts,
+        num_ranks=d,
+        num_microbatches=m,
+        steps=steps,
+        copies_overlap=store.device.type == "cuda",
+        device=str(store.device),
+    )
+
+
+def _note_outputs(stage: Any, outputs: list[tuple[int, str]]) -> Callable[[], None]:
+    """Wrap the stage's ``forward_one_chunk`` to note its output's size (for the p2p ping-pong)."""
+    import torch
+
+    original = vars(stage).get("forward_one_chunk")
+    method = stage.forward_one_chunk
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        out = method(*args, **kwargs)
+        if not outputs:
+            first = next((t for t in _tensors(out) if isinstance(t, torch.Tensor)), None)
+            if first is not None:
+                outputs.append((first.numel(), str(first.dtype).removeprefix("torch.")))
+        return out
+
+    stage.forward_one_chunk = noted
+
+    def undo() -> None:
+        if original is None:
+            vars(stage).pop("forward_one_chunk", None)
+        else:
+            stage.forward_one_chunk = original
+
+    return undo
+
+
+def _tensors(obj: Any) -> Iterable[Any]:
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    else:
+        yield obj
+
+
+def _p2p_seconds(numel: int, dtype: Any, device: Any, group: Any) -> float:
+    """Median one-way time of a ``numel`` tensor between the group's ranks 0 and 1 (round trip / 2);
+    other ranks return at once. Blocking send/recv, like the pipeline's transfers seen by the receiver."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    if rank > 1:
+        return 0.0
+    peer = 1 - rank
+    peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+    buf = torch.zeros(max(1, numel), dtype=dtype, device=device)
+    trips = []
+    for _ in range(_P2P_ROUNDS):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, peer_global, group=group)
+            dist.recv(buf, peer_global, group=group)
+        else:
+            dist.recv(buf, peer_global, group=group)
+            dist.send(buf, peer_global, group=group)
+        trips.append(time.perf_counter() - start)
+    return statistics.median(trips) / 2.0
+
+
+def _summarize(
+    parts: list[dict[str, Any]],
+    *,
+    num_ranks: int,
+    num_microbatches: int | None,
+    steps: int,
+    copies_overlap: bool,
+    device: str,
+) -> Measurement:
+    """Every rank's raw events and bytes -> per-stage medians (deterministic: same input on every rank)."""
+    from pp_offload.runtime.timing import parse_action
+
+    n = 2 * num_ranks
+    samples: dict[tuple[int, str], list[float]] = {}
+    for part in parts:
+        for action, seconds in part["events"]:
+            parsed = parse_action(action)
+            if parsed is not None and parsed[0] < n:
+                samples.setdefault((parsed[0], parsed[1]), []).append(seconds)
+    saved = [0] * n
+    for part in parts:
+        for s, _, b in part["bytes"]:
+            if s < n:
+                saved[s] = max(saved[s], b)
+    comm = next((p["comm"] for p in parts if p["comm"] is not None), 0.0)
+
+    def med(s: int, kind: str) -> float | None:
+        values = samples.get((s, kind))
+        return statistics.median(values) if values else None
+
+    missing = [s for s in range(n) if med(s, "F") is None]
+    if missing:
+        raise ValueError(f"the probe step ran no forward of stage(s) {missing}; was step() a schedule.step?")
+    fiw: list[list[float]] = []
+    whole = set()  # stages that ran full backwards (B) only: split by the measured ratio below
+    for s in range(n):
+        i, w, b = med(s, "I"), med(s, "W"), med(s, "B")
+        if i is None and w is None:
+            i, w = 0.0, b or 0.0
+            whole.add(s)
+        fiw.append([med(s, "F"), i or 0.0, w or 0.0])
+    ratios = [fiw[s][1] / (fiw[s][1] + fiw[s][2]) for s in range(1, n) if s not in whole and fiw[s][1] > 0]
+    ratio = statistics.median(ratios) if ratios else 0.5
+    for s in whole - {0}:
+        total = fiw[s][2]
+        fiw[s][1], fiw[s][2] = total * ratio, total * (1.0 - ratio)
+    first_stage = "measured"
+    if fiw[0][1] < 0.05 * fiw[0][2] or med(0, "I") is None:
+        # torch skipped stage 0's I and ran its whole backward at W: split the total like the other stages
+        total = fiw[0][1] + fiw[0][2]
+        fiw[0][1], fiw[0][2] = total * ratio, total * (1.0 - ratio)
+        first_stage = f"split from its whole backward at W in the other stages' I:W ({ratio:.2f} I)"
+    copied = [
+        (saved[s], t) for s in range(n) for kind in ("OFFLOAD", "RELOAD") for t in samples.get((s, kind), [])
+    ]
+    rates = [b / t for b, t in copied if b > 0 and t > 0]
+    rate = statistics.median(rates) if rates else None
+    stages = []
+    for s in range(n):
+        off, rel = med(s, "OFFLOAD"), med(s, "RELOAD")
+        estimated = off is None or rel is None
+        if estimated:
+            guess = saved[s] / rate if rate else 0.0
+            off = guess if off is None else off
+            rel = guess if rel is None else rel
+        f, i, w = fiw[s]
+        stages.append(
+            StageMeasurement(
+                F=f, I=i, W=w, saved_bytes=saved[s], offload=off, reload=rel, copies_estimated=estimated
+            )
+        )
+    notes = []
+    if rate is None:
+        notes.append("no chunk was offloaded in the probe: copy times unknown (0)")
+    return Measurement(
+        num_ranks=num_ranks,
+        stages=tuple(stages),
+        comm=float(comm),
+        copies_overlap=copies_overlap,
+        num_microbatches=num_microbatches,
+        steps=steps,
+        device=device,
+        first_stage=first_stage,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,148 @@
+"""``pipeline.schedule: auto``: measure the real costs with a probe step, then pick schedule and offload.
+
+Why in the recipe: which schedule is fastest within a memory limit depends on measured pass times, saved
+bytes and copy times (`pp_offload.plan.auto`), and the recipe is where the model, the data and the
+hardware meet. The probe runs before any weight changes:
+
+1. the probe pipeline (`PROBE_SCHEDULE` with `PROBE_OFFLOAD`, unsharded even when ``dp > 1``) runs
+   ``pipeline.auto_probe_steps`` steps on the first batch, timing every action; the random number state
+   is restored and the gradients dropped afterwards, so the run that follows is exactly the run the chosen
+   schedule would have made from the start (tested: same losses as that fixed schedule);
+2. global rank 0 chooses (`choose`: the fastest candidate whose predicted per-rank activation peak fits
+   ``pipeline.memory_limit`` and ``pipeline.activation_budget_gib``) and broadcasts the decision, so every
+   rank of every replica builds the same schedule; when nothing fits, every rank raises the same error;
+3. the real pipeline is built once with the chosen schedule, offload policy and the measured costs.
+
+Rank 0 logs the ranked candidates and writes them, with the measurement, to ``<output.dir>/auto.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from pp_offload.fsutil import write_text_atomic
+from pp_offload.recipe.config import ConfigError, RecipeConfig
+from pp_offload.recipe.parts import Pipeline, Topology, build_pipeline
+
+__all__ = ["AUTO", "choose_schedule", "is_auto"]
+
+AUTO = "auto"
+
+
+def is_auto(config: RecipeConfig) -> bool:
+    return str(config.pipeline.schedule).lower() == AUTO
+
+
+def _probe_config(config: RecipeConfig) -> RecipeConfig:
+    from pp_offload.plan.auto import PROBE_OFFLOAD, PROBE_SCHEDULE
+
+    pipeline = dataclasses.replace(
+        config.pipeline, schedule=PROBE_SCHEDULE, offload=PROBE_OFFLOAD, memory_limit=None, costs=None
+    )
+    return dataclasses.replace(config, pipeline=pipeline)
+
+
+def chosen_config(config: RecipeConfig, decision: Any) -> RecipeConfig:
+    """``config`` with the decision's schedule, offload policy, adaptive limit and measured costs."""
+    from pp_offload.runtime.catalog import schedule_info
+
+    ours = schedule_info(decision.schedule).module == "pp_offload.runtime.schedules"
+    pipeline = dataclasses.replace(
+        config.pipeline,
+        schedule=decision.schedule,
+        offload=decision.offload,
+        memory_limit=decision.memory_limit,
+        costs=dict(decision.costs),
+    )
+    if not ours:
+        pipeline.memory_limit = None  # torch's schedules take no limit; costs still plan their offload
+    return dataclasses.replace(config, pipeline=pipeline)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def choose_schedule(
+    config: RecipeConfig,
+    model: nn.Module,
+    topo: Topology,
+    device: torch.device,
+    mesh: DeviceMesh,
+    probe_step: Callable[[Pipeline], Any],
+    out: Path,
+    *,
+    reuse: bool = False,
+) -> tuple[RecipeConfig, Any]:
+    """Probe, choose on rank 0, broadcast; returns (the config to build the real pipeline from, decision).
+
+    ``probe_step(pipeline)`` runs one step of the probe pipeline (the caller's step function, on the run's
+    first batch). ``reuse``: a resumed run takes the decision recorded in ``out/auto.json`` by the run it
+    continues (a new probe could choose otherwise, and the resumed run would differ from an uninterrupted
+    one). A collective over every rank."""
+    from pp_offload.plan.auto import AutoDecision, AutoError, choose, measure_step
+
+    recorded = out / "auto.json"
+    if reuse:
+        message: list[Any] = [None]
+        if topo.rank == 0:
+            message = [json.loads(recorded.read_text())["decision"] if recorded.is_file() else None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is not None:
+            decision = AutoDecision.from_dict(message[0])
+            if topo.rank == 0:
+                print(
+                    f"auto: resuming with the recorded choice ({recorded}):\n{decision.table()}", flush=True
+                )
+            return chosen_config(config, decision), decision
+    spec = config.pipeline
+    rng = _rng_state(device)
+    probe = build_pipeline(_probe_config(config), model, topo, device, mesh, shard=False)
+    measurement = measure_step(
+        probe.schedule, lambda: probe_step(probe), steps=int(spec.auto_probe_steps), group=probe.pp_group
+    )
+    for param in model.parameters():
+        param.grad = None
+    probe.split.module.to("cpu")  # the real split moves what it holds back; nothing stays behind on a GPU
+    _restore_rng(rng, device)
+
+    message = [None]
+    if topo.rank == 0:
+        budget = None if spec.activation_budget_gib is None else int(spec.activation_budget_gib * 2**30)
+        try:
+            decision = choose(
+                measurement,
+                num_microbatches=spec.microbatches,
+                memory_limit=spec.memory_limit,
+                activation_budget_bytes=budget,
+            )
+            message = [{"decision": decision.to_dict()}]
+        except (AutoError, ValueError) as error:
+            message = [{"error": str(error)}]
+    dist.broadcast_object_list(message, src=0)
+    if "error" in message[0]:
+        raise ConfigError(f"pipeline.schedule=auto: {message[0]['error']}")
+    decision = AutoDecision.from_dict(message[0]["decision"])
+    if topo.rank == 0:
+        report = {"decision": decision.to_dict(), "measurement": measurement.to_dict()}
+        write_text_atomic(recorded, json.dumps(report, indent=2, default=str) + "\n")
+        print(f"{measurement.table()}\n{decision.table()}", flush=True)
+    return chosen_config(config, decision), decision

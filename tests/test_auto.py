@@ -1,0 +1,221 @@
+"""``schedule: auto``'s library half: `choose` on hand-made measurements (offline, pure) and `measure_step`
+on a real 2-rank gloo pipeline of sleep-emulated stages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _dist import run_on_ranks
+
+from pp_offload.plan.auto import (
+    DEFAULT_OFFLOAD,
+    PROBE_OFFLOAD,
+    PROBE_SCHEDULE,
+    AutoDecision,
+    AutoError,
+    Measurement,
+    StageMeasurement,
+    choose,
+    measure_step,
+)
+
+MiB = 1 << 20
+ZERO_BUBBLE = {"ScheduleVZB", "ScheduleZBVZeroBubble", "ScheduleVAdaptive"}
+
+
+def _measurement(d: int = 2, *, copy_s: float = 0.002, overlap: bool = True) -> Measurement:
+    """F = I = W = 10 ms per stage, 4 MiB saved per microbatch, 0.5 ms p2p."""
+    return Measurement.uniform(
+        d, F=0.010, I=0.010, W=0.010, saved_bytes=4 * MiB, offload=copy_s, comm=0.0005, copies_overlap=overlap
+    )
+
+
+# --- choose: offline ------------------------------------------------------------------------------------
+
+
+def test_no_budget_picks_a_zero_bubble_schedule() -> None:
+    decision = choose(_measurement(4), num_microbatches=8)  # d=4: V-Half and V-Min have real bubbles
+    assert decision.schedule in ZERO_BUBBLE
+    assert decision.budget_bytes is None
+    assert all(c.fits for c in decision.candidates if c.predicted_step_s is not None)
+    fastest = min(c.predicted_step_s for c in decision.candidates if c.predicted_step_s is not None)
+    assert decision.predicted_step_s <= fastest * 1.01
+    assert set(decision.costs) == {"F", "I", "W", "comm", "transfer"}
+    assert decision.costs["F"] == pytest.approx(10.0)  # ms
+    assert decision.reason.endswith(".") and decision.schedule in decision.reason
+
+
+def test_budget_is_respected_and_tighter_budgets_cost_time() -> None:
+    meas = _measurement(4)
+    steps = []
+    for limit in (1.0, 0.5, 0.3):
+        decision = choose(meas, num_microbatches=8, memory_limit=limit)
+        budget = [int(limit * 4 * (4 + 4) * MiB)] * 4  # 1F1B: min(d, m) = 4 microbatches of two 4 MiB stages
+        assert decision.budget_bytes == budget
+        assert all(p <= b for p, b in zip(decision.peak_bytes, budget, strict=True))
+        assert decision.candidates[0].schedule == decision.schedule
+        steps.append(decision.predicted_step_s)
+    assert steps[0] <= steps[1] <= steps[2]
+    assert steps[0] < steps[2]
+
+
+def test_tight_budget_picks_v_min_or_offload() -> None:
+    meas = _measurement(4)
+    vmin = choose(meas, num_microbatches=8, schedules=["ScheduleVMin"], offload=["none"])
+    decision = choose(meas, num_microbatches=8, activation_budget_bytes=max(vmin.peak_bytes))
+    assert decision.schedule in ("ScheduleVMin", "ScheduleVAdaptive") or decision.offload != "none"
+    assert max(decision.peak_bytes) <= max(vmin.peak_bytes)
+    # below V-Min's peak only offload fits
+    below = choose(meas, num_microbatches=8, activation_budget_bytes=max(vmin.peak_bytes) - 1)
+    assert below.offload != "none"
+
+
+def test_slow_copies_mean_no_offload() -> None:
+    slow = _measurement(4, copy_s=0.2)  # a copy takes 20 passes: offloading can only stall
+    decision = choose(slow, num_microbatches=8)
+    assert decision.offload == "none"
+    fast = choose(_measurement(4, copy_s=0.0005), num_microbatches=8, memory_limit=0.5)
+    sync = choose(_measurement(4, copy_s=0.0005, overlap=False), num_microbatches=8, memory_limit=0.5)
+    with_offload = [c for c in sync.candidates if c.offload == "full" and c.schedule == "ScheduleVHalf"]
+    same = [c for c in fast.candidates if c.offload == "full" and c.schedule == "ScheduleVHalf"]
+    assert with_offload[0].predicted_step_s > same[0].predicted_step_s  # synchronous copies add time
+
+
+def test_synchronous_copies_free_memory_at_their_action() -> None:
+    """On a CPU store an OFFLOAD frees its chunk as soon as it runs (no copy lane to wait for): the
+    predicted peak of an offload candidate is lower than with overlapped copies of the same duration, and
+    without offload both predictions are the same."""
+    picks = {"schedules": ["ScheduleVHalf"], "num_microbatches": 8}
+    lanes = choose(_measurement(4, copy_s=0.004), offload=["full"], **picks)
+    inline = choose(_measurement(4, copy_s=0.004, overlap=False), offload=["full"], **picks)
+    assert all(a <= b for a, b in zip(inline.peak_bytes, lanes.peak_bytes, strict=True))
+    assert sum(inline.peak_bytes) < sum(lanes.peak_bytes)
+    plain = [choose(_measurement(4, overlap=o), offload=["none"], **picks).peak_bytes for o in (True, False)]
+    assert plain[0] == plain[1]
+
+
+def test_deterministic_and_json_round_trip() -> None:
+    meas = _measurement(2)
+    again = Measurement.from_dict(json.loads(json.dumps(meas.to_dict())))
+    assert again == meas
+    a = choose(meas, num_microbatches=4, memory_limit=0.6)
+    b = choose(again, num_microbatches=4, memory_limit=0.6)
+    assert a.to_dict() == b.to_dict()
+    back = AutoDecision.from_dict(json.loads(json.dumps(a.to_dict())))
+    assert back == a
+    table = a.table()
+    assert a.schedule in table and "fits" in table and "yes" in table
+    assert "F ms" in meas.table()
+
+
+def test_ties_prefer_less_memory_then_no_offload_then_ours() -> None:
+    for meas in (_measurement(2, copy_s=0.0), _measurement(4), _measurement(4, copy_s=0.004, overlap=False)):
+        decision = choose(meas, num_microbatches=8)
+        pick, rows = decision.candidates[0], decision.candidates
+        fastest = min(c.predicted_step_s for c in rows)
+        tied = [c for c in rows if c.predicted_step_s <= fastest * 1.01]
+        assert pick in tied
+        assert pick.max_peak == min(c.max_peak for c in tied)
+        lowest = [c for c in tied if c.max_peak == pick.max_peak]
+        if any(c.offload == "none" for c in lowest):
+            assert pick.offload == "none"
+    same = choose(
+        _measurement(2),
+        num_microbatches=4,
+        schedules=["ScheduleZBVZeroBubble", "ScheduleVZB"],
+        offload=["none"],
+    )
+    rows = {c.schedule: c for c in same.candidates}
+    assert rows["ScheduleVZB"].peak_bytes == rows["ScheduleZBVZeroBubble"].peak_bytes
+    assert rows["ScheduleVZB"].predicted_step_s == pytest.approx(
+        rows["ScheduleZBVZeroBubble"].predicted_step_s
+    )
+    assert same.schedule == "ScheduleVZB"  # equal time and memory: ours
+
+
+def test_nothing_fits_says_by_how_much_and_what_would() -> None:
+    with pytest.raises(AutoError) as err:
+        choose(_measurement(4), num_microbatches=8, activation_budget_bytes=1 * MiB)
+    text = str(err.value)
+    assert "activation_budget_bytes=1048576" in text
+    assert "over" in text and "smallest achievable peak" in text
+    assert "activation_budget_bytes >=" in text and "memory_limit >=" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"activation_budget_bytes": -1}, "activation_budget_bytes"),
+        ({"memory_limit": 0.0}, r"\(0, 1\]"),
+        ({"memory_limit": 1.5}, r"\(0, 1\]"),
+        ({"schedules": ["ScheduleNope"]}, "unknown schedule"),
+        ({"schedules": ["Schedule1F1B"]}, "one stage per rank"),
+        ({"offload": ["sometimes"]}, "offload"),
+        ({"num_microbatches": 0}, "num_microbatches"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    kwargs = {"num_microbatches": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        choose(_measurement(2), **kwargs)
+
+
+def test_measurement_validation() -> None:
+    with pytest.raises(ValueError, match="2 \\* num_ranks"):
+        Measurement(2, (StageMeasurement(F=1.0, I=1.0, W=1.0, saved_bytes=0),) * 3)
+    with pytest.raises(ValueError, match="saved_bytes"):
+        StageMeasurement(F=1.0, I=1.0, W=1.0, saved_bytes=-5)
+    assert "full" in DEFAULT_OFFLOAD and "none" in DEFAULT_OFFLOAD
+
+
+# --- measure_step: 2 gloo ranks -------------------------------------------------------------------------
+
+F_S, I_S, W_S = 0.020, 0.030, 0.010
+HIDDEN = 48  # the 48x48 weight (2304 floats) is above the store's floor: every stage saves bytes
+
+
+def _probe_worker(rank: int, world: int, m: int) -> dict:
+    import torch
+
+    import pp_offload
+    from pp_offload.emulate import PassCosts, build_stages
+
+    stages = build_stages(rank, world, costs=PassCosts(F_S, I_S, W_S), hidden=HIDDEN, microbatch_size=32)
+    schedule = getattr(pp_offload, PROBE_SCHEDULE)(
+        stages, m, loss_fn=torch.nn.functional.mse_loss, scale_grads=False, offload=PROBE_OFFLOAD
+    )
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(m * 32, HIDDEN, generator=gen), torch.randn(m * 32, HIDDEN, generator=gen)
+
+    def step() -> None:
+        if rank == 0:
+            schedule.step(x, target=y, losses=[])
+        else:
+            schedule.step()
+
+    offloaded_before = set(schedule.offload.offloaded)
+    measured = measure_step(schedule, step, steps=2)
+    assert schedule.offload.offloaded == offloaded_before  # the probe's extra captures are undone
+    step()  # the schedule still runs after the probe
+    return measured.to_dict()
+
+
+def test_measure_step_on_two_gloo_ranks() -> None:
+    results = run_on_ranks(_probe_worker, 2, 4, timeout=120)
+    assert results[0] == results[1]  # identical on every rank
+    meas = Measurement.from_dict(results[0])
+    assert meas.num_ranks == 2 and meas.num_microbatches == 4 and meas.steps == 2
+    assert meas.copies_overlap is False and meas.device == "cpu"
+    for s, st in enumerate(meas.stages):
+        assert st.F == pytest.approx(F_S, rel=0.25, abs=0.004), (s, st)
+        assert st.I + st.W == pytest.approx(I_S + W_S, rel=0.25, abs=0.006), (s, st)
+        assert st.saved_bytes >= HIDDEN * HIDDEN * 4, (s, st)
+    for s in range(1, 4):  # split backward measured directly off stage 0
+        assert meas.stages[s].I == pytest.approx(I_S, rel=0.25, abs=0.004)
+        assert meas.stages[s].W == pytest.approx(W_S, rel=0.25, abs=0.004)
+    assert "split" in meas.first_stage  # torch ran stage 0's backward whole at W
+    assert any(st.offload > 0 and not st.copies_estimated for st in meas.stages)
+    assert 0 < meas.comm < 0.05
+    decision = choose(meas, num_microbatches=4)
+    assert decision.costs["F"] == pytest.approx(F_S * 1e3, rel=0.25)
