@@ -30,12 +30,19 @@ would come out at W only. The first stage therefore scales its input by an ``emb
 (``h = x * embed``), which puts the input branch on the path to a parameter: its full backward costs
 I + W, like a real first stage. ``pp_offload.sim.as_executed_by_torch`` rewrites an order the way torch
 executes it (stage 0's I dropped, its W turned into a B) so the simulator can predict either reading.
+
+Activation memory: a stage built with ``saved_bytes=n`` also saves an ``n``-byte tensor for its weight-grad
+branch in every forward, so it is freed exactly when autograd frees a real layer's saved activations (after
+W, or B; never at I, whose graph is retained for W). `saved_activation_bytes` counts those tensors while
+they are alive, per process: its peak is the activation memory a schedule really held on this rank, as the
+runtime executed it (receive buffers and forward outputs not included).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,10 +56,12 @@ from pp_offload.runtime.catalog import stage_indices
 __all__ = [
     "EmulatedStage",
     "PassCosts",
+    "SavedBytes",
     "StepTiming",
     "build_stages",
     "emulated_modules",
     "measure_p2p_latency",
+    "saved_activation_bytes",
     "sleep_until",
     "stage_indices",
     "time_schedule",
@@ -112,23 +121,56 @@ class _InputPath(torch.autograd.Function):
         return grad_h, None, None, None
 
 
+class SavedBytes:
+    """Bytes of emulated activations alive in this process (``live``) and their high-water mark (``peak``)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from what is alive now (e.g. before a step)."""
+        self.peak = self.live
+
+    def _alloc(self, numel: int) -> torch.Tensor:
+        ballast = torch.empty(numel, dtype=torch.uint8)  # never written: costs no time, counted by size
+        self.live += numel
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(ballast, self._free, numel)
+        return ballast
+
+    def _free(self, numel: int) -> None:
+        self.live -= numel
+
+
+_SAVED = SavedBytes()
+
+
+def saved_activation_bytes() -> SavedBytes:
+    """This process's meter of the ``saved_bytes`` tensors of every `EmulatedStage` in it."""
+    return _SAVED
+
+
 class _WeightPath(torch.autograd.Function):
-    """Contributes zeros to the output but carries ``dw = h.T @ g`` in its backward, and sleeps W."""
+    """Contributes zeros to the output but carries ``dw = h.T @ g`` in its backward, and sleeps W.
+
+    ``ballast`` (a tensor or None) is saved with ``h``: it stands for the layer's saved activations and
+    lives as long as autograd keeps this node's saved tensors (until the W or B pass that runs it)."""
 
     @staticmethod
-    def forward(ctx, h, w, cost_s, log):
-        ctx.save_for_backward(h)
+    def forward(ctx, h, w, cost_s, log, ballast=None):
+        ctx.save_for_backward(h, ballast)
         ctx.cost_s, ctx.log = cost_s, log
         return h.new_zeros(h.shape[:-1] + w.shape[-1:])
 
     @staticmethod
     def backward(ctx, grad):
         start = time.perf_counter()
-        (h,) = ctx.saved_tensors
+        h, _ = ctx.saved_tensors
         grad_w = h.reshape(-1, h.shape[-1]).t() @ grad.reshape(-1, grad.shape[-1])
         sleep_until(start + ctx.cost_s)
         ctx.log.append(("W", start, time.perf_counter()))
-        return None, grad_w, None, None
+        return None, grad_w, None, None, None
 
 
 class EmulatedStage(nn.Module):
@@ -136,6 +178,8 @@ class EmulatedStage(nn.Module):
 
     Every pass is appended to ``self.log`` as ``(kind, start, end)``; clear it between steps. Weights
     are seeded by ``seed`` so that stages built in different processes or for different schedules agree.
+    ``saved_bytes``: activation memory each forward saves for backward, held until its W (or B) and
+    counted by `saved_activation_bytes` (0: none beyond the tiny input the weight grad needs).
     """
 
     def __init__(
@@ -146,11 +190,15 @@ class EmulatedStage(nn.Module):
         first: bool = False,
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
+        saved_bytes: int = 0,
     ) -> None:
         super().__init__()
+        if saved_bytes < 0:
+            raise ValueError(f"saved_bytes must be >= 0, got {saved_bytes!r}")
         gen = torch.Generator().manual_seed(seed)
         self.costs = costs
         self.first = first
+        self.saved_bytes = int(saved_bytes)
         self.weight = nn.Parameter(
             torch.randn(hidden, hidden, generator=gen, dtype=dtype) * (0.3 / hidden**0.5)
         )
@@ -164,8 +212,9 @@ class EmulatedStage(nn.Module):
         start = time.perf_counter()
         h = x * self.embed if self.embed is not None else x
         w = self.weight
+        ballast = _SAVED._alloc(self.saved_bytes) if self.saved_bytes and torch.is_grad_enabled() else None
         y = _InputPath.apply(h, w.detach(), self.costs.I, self.log) + _WeightPath.apply(
-            h.detach(), w, self.costs.W, self.log
+            h.detach(), w, self.costs.W, self.log, ballast
         )
         sleep_until(start + self.costs.F)
         self.log.append(("F", start, time.perf_counter()))
@@ -192,18 +241,20 @@ def build_stages(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    saved_bytes: int = 0,
 ) -> list[Any]:
     """This rank's ``PipelineStage`` objects over ``EmulatedStage`` modules.
 
     ``costs`` are per *chunk* (half a rank's layers; one V stage). Chunk ``c`` is seeded with
     ``seed + c``, so every placement computes the same function of the same weights and all schedules
     must agree on the loss. With ``placement="single"`` a rank's one stage is its two chunks in sequence
-    (``2r`` then ``2r+1``), i.e. it costs twice a chunk.
+    (``2r`` then ``2r+1``), i.e. it costs twice a chunk. ``saved_bytes``: each chunk's saved activation
+    bytes per microbatch (`EmulatedStage`).
     """
     from torch.distributed.pipelining import PipelineStage
 
     def chunk(c: int) -> EmulatedStage:
-        return EmulatedStage(hidden, costs, first=(c == 0), seed=seed + c).to(device)
+        return EmulatedStage(hidden, costs, first=(c == 0), seed=seed + c, saved_bytes=saved_bytes).to(device)
 
     num_stages = num_ranks if placement == "single" else 2 * num_ranks
 
