@@ -24,8 +24,8 @@ hide it. ``ScheduleVAdaptive`` is judged at the largest memory cap (chunk units)
 
 Memory budget per rank: ``memory_limit`` x 1F1B's peak (``2 * min(d, m)`` chunk units, i.e.
 ``min(d, m)`` microbatches of the rank's two V stages' measured bytes), and/or ``activation_budget_bytes``.
-The fastest candidate that fits wins; candidates within 1 % of it are ties, broken by less memory, then no
-offload, then pp_offload's own schedules.
+The fastest candidate that fits wins; candidates within 1 % of it are ties, broken by no offload, then less
+memory, then pp_offload's own schedules.
 """
 
 from __future__ import annotations
@@ -403,8 +403,12 @@ def _adaptive(
 
 
 def _rank(candidates: list[AutoCandidate]) -> list[AutoCandidate]:
-    """The pick first (fastest that fits; within 1 %: less memory, then no offload, then ours), then the
-    other fitting candidates by step time, then the rest (simulated before unbuildable, by step time)."""
+    """The pick first (fastest that fits; within 1 %: no offload, then less memory, then ours), then the
+    other fitting candidates by step time, then the rest (simulated before unbuildable, by step time).
+
+    Why no offload before less memory: the memory is already within the budget, and an offload
+    candidate's predicted time carries the copies' uncertainty (bandwidth under load, on CPU the copies'
+    serial time), while a 1 % difference is below what a probe step measures reliably."""
 
     def order(c: AutoCandidate) -> tuple[Any, ...]:
         return (
@@ -433,8 +437,8 @@ def _rank(candidates: list[AutoCandidate]) -> list[AutoCandidate]:
         pick = min(
             tied,
             key=lambda c: (
-                c.max_peak,
                 c.offload != "none",
+                c.max_peak,
                 c.schedule not in OURS,
                 c.memory_limit is not None,  # a fixed schedule before the adaptive one at the same cost
                 *order(c),
@@ -462,8 +466,8 @@ def _reason(ranked: list[AutoCandidate], budget: list[int] | None) -> str:
     if len(fitting) > 1 and fitting[1].predicted_step_s < pick.predicted_step_s:
         fastest = min(fitting, key=lambda c: c.predicted_step_s)
         text += (
-            f" (within 1% of {_label(fastest)} at {fastest.predicted_step_s * _MS:.2f} ms, with less memory, "
-            "no offload or our schedule as the tie-break)"
+            f" (within 1% of {_label(fastest)} at {fastest.predicted_step_s * _MS:.2f} ms, with no offload, "
+            "less memory or our schedule as the tie-break)"
         )
     return text + "."
 
