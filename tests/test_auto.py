@@ -107,6 +107,9 @@ def test_deterministic_and_json_round_trip() -> None:
     table = a.table()
     assert a.schedule in table and "fits" in table and "yes" in table
     assert "F ms" in meas.table()
+    short = a.table(limit=3).splitlines()
+    assert short[-1].strip() == f"... {len(a.candidates) - 3} more candidates"
+    assert len(short) == len(table.splitlines()) - len(a.candidates) + 4
 
 
 def test_ties_prefer_no_offload_then_less_memory_then_ours() -> None:

@@ -134,8 +134,9 @@ class AutoDecision:
         data["candidates"] = [AutoCandidate(**c) for c in data.get("candidates", ())]
         return cls(**data)
 
-    def table(self) -> str:
-        """The ranked candidates: predicted step time, peak per rank (max), whether it fits."""
+    def table(self, limit: int | None = None) -> str:
+        """The ranked candidates: predicted step time, peak per rank (max), whether it fits; the first
+        ``limit`` rows only, when given (the rest are counted)."""
         budget = (
             "none" if self.budget_bytes is None else f"{max(self.budget_bytes) / _MiB:.3f} MiB (max rank)"
         )
@@ -146,13 +147,16 @@ class AutoDecision:
             f"budget per rank: {budget}",
             f"{'#':>3} {'schedule':26} {'offload':15} {'step ms':>9} {'bubble':>7} {'peak MiB':>9} fits",
         ]
-        for k, c in enumerate(self.candidates, 1):
+        shown = self.candidates if limit is None else self.candidates[: max(int(limit), 1)]
+        for k, c in enumerate(shown, 1):
             name = c.schedule + (f"({c.memory_limit:.2f})" if c.memory_limit is not None else "")
             step = f"{c.predicted_step_s * _MS:9.2f}" if c.predicted_step_s is not None else f"{'-':>9}"
             bubble = f"{c.bubble:7.1%}" if c.bubble is not None else f"{'-':>7}"
             peak = f"{c.max_peak / _MiB:9.3f}" if c.peak_bytes else f"{'-':>9}"
             fits = "yes" if c.fits else ("no: " + c.problem if c.problem else "no")
             lines.append(f"{k:>3} {name:26} {c.offload:15} {step} {bubble} {peak} {fits}")
+        if len(shown) < len(self.candidates):
+            lines.append(f"    ... {len(self.candidates) - len(shown)} more candidates")
         return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ from pp_offload.recipe.parts import Pipeline, Topology, build_pipeline
 __all__ = ["AUTO", "choose_schedule", "is_auto"]
 
 AUTO = "auto"
+_SHOWN = 8  # candidates printed; auto.json has them all
 
 
 def is_auto(config: RecipeConfig) -> bool:
@@ -110,7 +111,8 @@ def choose_schedule(
             decision = AutoDecision.from_dict(message[0])
             if topo.rank == 0:
                 print(
-                    f"auto: resuming with the recorded choice ({recorded}):\n{decision.table()}", flush=True
+                    f"auto: resuming with the recorded choice ({recorded}):\n{decision.table(limit=_SHOWN)}",
+                    flush=True,
                 )
             return chosen_config(config, decision), decision
     spec = config.pipeline
@@ -144,5 +146,5 @@ def choose_schedule(
     if topo.rank == 0:
         report = {"decision": decision.to_dict(), "measurement": measurement.to_dict()}
         write_text_atomic(recorded, json.dumps(report, indent=2, default=str) + "\n")
-        print(f"{measurement.table()}\n{decision.table()}", flush=True)
+        print(f"{measurement.table()}\n{decision.table(limit=_SHOWN)}\n(all in {recorded})", flush=True)
     return chosen_config(config, decision), decision
