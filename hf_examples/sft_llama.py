@@ -1,7 +1,8 @@
 """Supervised fine-tuning of a Llama-family model, pipeline-parallel (pp-offload's V-Half schedule, bf16).
 
-Prompts are wrapped in an instruction template and masked from the loss: only responses (and their eos) are
-learned. Every process runs this script; the result is a plain Hugging Face model in <output-dir>/export.
+Prompts are wrapped in an instruction template (the recipe's DataConfig.prompt_template) and masked from
+the loss: only responses (and their eos) are learned. Every process runs this script; the result is a plain
+Hugging Face model in <output-dir>/export, and <output-dir>/sft_data.jsonl shows the texts it trained on.
 
 1 node x 8 GPUs:
     torchrun --nproc-per-node 8 hf_examples/sft_llama.py --output-dir runs/sft
@@ -23,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from pp_offload.data import DataConfig, embedded_assets, embedded_dir, load_examples
+from pp_offload.data import DataConfig, embedded_assets, embedded_dir, format_examples, load_examples
 from pp_offload.data.embedded import embedded_documents
 from pp_offload.recipe import ModelConfig, OutputConfig, PipelineConfig, RecipeConfig, TrainConfig
 from pp_offload.recipe.train import run
@@ -55,24 +56,27 @@ if args.tiny:  # synthetic instructions about Python's help topics (shipped with
     (out / f".tiny.{rank}.tmp").write_text("".join(json.dumps(row) + "\n" for row in rows))
     os.replace(out / f".tiny.{rank}.tmp", args.dataset)  # every rank writes the same file; renames are atomic
 
-# Wrap each prompt (+ its input, when the dataset has one) in the template; the recipe reads the result.
-raw = load_examples(DataConfig(path=args.dataset, prompt_column=args.prompt_column,
-                               response_column=args.response_column), cache_dir=out / "cache")
-extra = args.input_column if args.input_column in raw.column_names else None
+data = DataConfig(path=args.dataset, prompt_column=args.prompt_column, response_column=args.response_column,
+                  prompt_template=TEMPLATE, seq_len=1024)
+raw = load_examples(data, cache_dir=out / "cache")
+if args.input_column in raw.column_names:
+    # Alpaca's optional context follows the instruction after a blank line, only where there is one: a format
+    # template has no conditionals, so it is folded into the prompt column here (the template does the rest).
+    def with_input(ex: dict) -> dict:
+        context = ex[args.input_column]
+        return {args.prompt_column: (ex[args.prompt_column] or "") + (f"\n\n{context}" if context else "")}
 
-
-def to_sft(ex: dict) -> dict:
-    prompt = (ex[args.prompt_column] or "") + (f"\n\n{ex[extra]}" if extra and ex[extra] else "")
-    return {"prompt": TEMPLATE.format(prompt=prompt), "response": ex[args.response_column]}
-
-
-raw.map(to_sft, remove_columns=raw.column_names).to_json(out / f".sft_data.{rank}.tmp", lines=True)
-os.replace(out / f".sft_data.{rank}.tmp", out / "sft_data.jsonl")
+    raw = raw.map(with_input, remove_columns=[args.input_column])
+    raw.to_json(out / f".sft_prompts.{rank}.tmp", lines=True)
+    os.replace(out / f".sft_prompts.{rank}.tmp", out / "sft_prompts.jsonl")  # every rank: same file, atomic
+    data.path = str(out / "sft_prompts.jsonl")
+if rank == "0":  # for inspection: the prompt (masked, template applied) and response texts the run tokenizes
+    format_examples(raw, data).to_json(out / ".sft_data.tmp", lines=True)
+    os.replace(out / ".sft_data.tmp", out / "sft_data.jsonl")
 
 config = RecipeConfig(
     model=ModelConfig(path=args.model),
-    data=DataConfig(path=str(out / "sft_data.jsonl"), prompt_column="prompt", response_column="response",
-                    seq_len=1024),
+    data=data,
     pipeline=PipelineConfig(schedule=args.schedule, dp=args.dp, microbatches=16, offload="selective"),
     train=TrainConfig(steps=args.steps, global_batch_size=64, lr=2e-5, warmup_steps=min(20, args.steps),
                       weight_decay=0.0, precision="bf16"),

@@ -22,6 +22,7 @@ from pp_offload.data import (
     default_cache_dir,
     embedded_assets,
     embedded_dir,
+    format_examples,
     load_examples,
     loading,
     pack_examples,
@@ -91,6 +92,136 @@ def test_pack_sft_masks_prompt_targets_only():
         # "Q" opens the next example and is a prompt token; "R R <eos>" is learned.
         {"input_ids": [0, 9, 10, 10], "labels": [-100, 10, 10, 0], "position_ids": [0, 0, 1, 2]},
     ]
+
+
+# A chat template in the word vocabulary: the user turn is "Q ...", the assistant turn "R ... h".
+WORD_CHAT = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}Q {{ m['content'] }} "
+    "{% else %}R {{ m['content'] }} h {% endif %}{% endfor %}{% if add_generation_prompt %}R {% endif %}"
+)
+
+
+def _chat_tokenizer(template: str | None = WORD_CHAT) -> PreTrainedTokenizerFast:
+    tokenizer = _word_tokenizer()
+    tokenizer.name_or_path = "tiny-words"
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_pack_sft_prompt_template_is_masked_with_the_prompt():
+    examples = datasets.Dataset.from_dict({"q": ["a b", "c"], "r": ["d", "e f"]})
+    config = DataConfig(prompt_column="q", response_column="r", prompt_template="Q\n{prompt} R\n", seq_len=11)
+    # Stream: [Q a b R | d <eos>] [Q c R | e f <eos>] = [9 1 2 10 4 0 9 3 10 5 6 0]: the template's Q and R
+    # are prompt tokens like a and b; only d, e f and the eos after them are learned.
+    assert _rows(pack_examples(examples, _word_tokenizer(), config)) == [
+        {
+            "input_ids": [9, 1, 2, 10, 4, 0, 9, 3, 10, 5, 6],
+            "labels": [-100, -100, -100, 4, 0, -100, -100, -100, 5, 6, 0],
+            "position_ids": [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4],
+        }
+    ]
+
+
+def test_pack_sft_prompt_template_reads_other_columns():
+    examples = datasets.Dataset.from_dict({"q": ["a", "a"], "ctx": ["b c", None], "r": ["d", "d"]})
+    config = DataConfig(
+        prompt_column="q", response_column="r", prompt_template="Q {prompt} {ctx} R", seq_len=11
+    )
+    # [Q a b c R | d <eos>] [Q a R | d <eos>]: a missing (None) value is empty text.
+    assert _rows(pack_examples(examples, _word_tokenizer(), config)) == [
+        {
+            "input_ids": [9, 1, 2, 3, 10, 4, 0, 9, 1, 10, 4],
+            "labels": [-100, -100, -100, -100, 4, 0, -100, -100, -100, 4, 0],
+            "position_ids": [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3],
+        }
+    ]
+    formatted = format_examples(examples, config)
+    assert formatted.to_dict() == {"prompt": ["Q a b c R", "Q a  R"], "response": ["d", "d"]}
+    # The formatted texts, packed as plain prompt/response columns, are exactly what the template packs.
+    plain = DataConfig(prompt_column="prompt", response_column="response", seq_len=11)
+    assert _rows(pack_examples(formatted, _word_tokenizer(), plain)) == _rows(
+        pack_examples(examples, _word_tokenizer(), config)
+    )
+
+
+def test_pack_sft_chat_template_masks_up_to_the_assistant_content():
+    examples = datasets.Dataset.from_dict({"q": ["a b", "c"], "r": ["d", "e f"]})
+    config = DataConfig(prompt_column="q", response_column="r", chat_template=True, seq_len=13)
+    # Prompt: the user turn plus the generation prompt, "Q a b R"; learned: the assistant's content, the
+    # template's end of turn "h" and the eos. Stream [9 1 2 10 | 4 8 0] [9 3 10 | 5 6 8 0].
+    assert _rows(pack_examples(examples, _chat_tokenizer(), config)) == [
+        {
+            "input_ids": [9, 1, 2, 10, 4, 8, 0, 9, 3, 10, 5, 6, 8],
+            "labels": [-100, -100, -100, 4, 8, 0, -100, -100, -100, 5, 6, 8, 0],
+            "position_ids": [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5],
+        }
+    ]
+    assert format_examples(examples, config, _chat_tokenizer()).to_dict() == {
+        "prompt": ["Q a b R ", "Q c R "],
+        "response": ["d h ", "e f h "],
+    }
+
+
+def test_pack_sft_chat_template_with_a_bpe_tokenizer(assets):
+    tokenizer = AutoTokenizer.from_pretrained(assets.tokenizer_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    examples = datasets.Dataset.from_dict({"q": ["What is a lambda?"], "r": ["An anonymous function."]})
+    head = "<|im_start|>user\nWhat is a lambda?<|im_end|>\n<|im_start|>assistant\n"
+    tail = "An anonymous function.<|im_end|>\n"
+    n_head = len(tokenizer(head, add_special_tokens=False)["input_ids"])
+    n_tail = len(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    config = DataConfig(prompt_column="q", response_column="r", chat_template=True, seq_len=n_head + n_tail)
+    [row] = _rows(pack_examples(examples, tokenizer, config))
+    assert row["labels"][: n_head - 1] == [-100] * (n_head - 1)
+    learned = row["labels"][n_head - 1 :]
+    assert -100 not in learned and tokenizer.decode(learned) == tail + tokenizer.eos_token
+    assert tokenizer.decode(row["input_ids"][:n_head]) == head
+
+
+def test_prompt_formatting_errors():
+    sft = {"prompt_column": "q", "response_column": "r"}
+    with pytest.raises(DataError, match="prompt_template or chat_template, not both"):
+        DataConfig(prompt_template="{prompt}", chat_template=True, **sft)
+    for option in ({"prompt_template": "Q {prompt}"}, {"chat_template": True}):
+        with pytest.raises(DataError, match="needs prompt_column and response_column"):
+            DataConfig(**option)
+    with pytest.raises(DataError, match=r"has no \{prompt\} placeholder"):
+        DataConfig(prompt_template="Q {q}", **sft)
+    with pytest.raises(DataError, match="not a valid format string"):
+        DataConfig(prompt_template="Q {prompt", **sft)
+    for bad in ("{prompt} {0}", "{prompt.upper}", "{prompt!r}", "{prompt:>9}", "{prompt} {}"):
+        with pytest.raises(DataError, match="not a plain name"):
+            DataConfig(prompt_template=bad, **sft)
+    with pytest.raises(DataError, match="must be a string.*quote"):
+        DataConfig(prompt_template={"prompt": None}, **sft)  # YAML's reading of an unquoted {prompt}
+    assert DataConfig(prompt_template="{{literal}} {prompt}", **sft).columns == ("q", "r")
+
+
+def test_prompt_template_missing_column_is_named(tmp_path):
+    examples = datasets.Dataset.from_dict({"q": ["a"], "r": ["b"]})
+    config = DataConfig(
+        prompt_column="q", response_column="r", prompt_template="{prompt} {context}", seq_len=1
+    )
+    assert config.columns == ("q", "r", "context")
+    with pytest.raises(DataError, match=r"prompt_template names column 'context'.*\['q', 'r'\]"):
+        pack_examples(examples, _word_tokenizer(), config)
+    file = _write_jsonl(tmp_path / "d.jsonl", [{"q": "a", "r": "b"}])
+    with pytest.raises(DataError, match=r"prompt_template names column 'context'.*\['q', 'r'\]"):
+        load_examples(DataConfig(**{**config.__dict__, "path": str(file)}), cache_dir=tmp_path)
+
+
+def test_chat_template_errors():
+    examples = datasets.Dataset.from_dict({"q": ["a"], "r": ["b"]})
+    config = DataConfig(prompt_column="q", response_column="r", chat_template=True, seq_len=1)
+    with pytest.raises(DataError, match="tokenizer 'tiny-words' has no chat template; use prompt_template"):
+        pack_examples(examples, _chat_tokenizer(None), config)
+    # The generation prompt is "S", the assistant turn "R": the conversation does not start with the prompt.
+    odd = WORD_CHAT.replace("{% if add_generation_prompt %}R", "{% if add_generation_prompt %}S")
+    with pytest.raises(DataError, match="chat template of tokenizer 'tiny-words' does not render"):
+        pack_examples(examples, _chat_tokenizer(odd), config)
 
 
 def _stream_and_starts(docs: list[list[int]]) -> tuple[list[int], set[int]]:

@@ -259,7 +259,7 @@ def test_config_reader_names_unknown_keys_and_world_mismatch(
 
     with pytest.raises(ConfigError, match="world size 1 is not pipeline.pp x pipeline.dp = 2 x 1"):
         topology(load_config(None, ["pipeline.pp=2"]))
-    with pytest.raises(ConfigError, match="world size 1 is not pipeline.pp x pipeline.dp = None x 2"):
+    with pytest.raises(ConfigError, match=r"world size 1 is not a multiple of pipeline.dp=2 .*among \[1\]"):
         topology(load_config(None, ["pipeline.dp=2"]))
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(ConfigError, match=r"pipeline.dp_replicate=3 must divide pipeline.dp=4 .*\[1, 2, 4\]"):
@@ -269,6 +269,64 @@ def test_config_reader_names_unknown_keys_and_world_mismatch(
     hybrid = RecipeConfig.from_dict(_config(tmp_path, pipeline__dp=2, train__global_batch_size=6))
     with pytest.raises(ConfigError, match="must split into pipeline.dp=2 replicas x pipeline.microbatches=4"):
         preflight(hybrid, Topology(rank=0, world=4, local_rank=0, pp=2, dp=2), 4)
+
+
+def test_set_reaches_into_mappings_at_any_depth(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model:\n  config:\n    model_type: llama\n    num_hidden_layers: 8\n    hidden_size: 64\n"
+    )
+    config = load_config(
+        path,
+        [
+            "model.config.num_hidden_layers=4",
+            "model.config.rope_scaling.factor=8.0",  # new sub-keys, and the mapping between them, are created
+            "model.config.rope_scaling.rope_type=linear",
+            "pipeline.costs.W=0.5",  # unset (None) so far but a mapping by type: one is started
+            "train.steps=3",
+        ],
+    )
+    assert config.model.config == {
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    }
+    assert config.pipeline.costs == {"W": 0.5} and config.train.steps == 3
+    assert load_config(path, ["model.config={model_type: gpt2}"]).model.config == {"model_type": "gpt2"}
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.confg.num_hidden_layers=4", r"unknown key model.confg .did you mean 'config'"),
+        ("modle.config.x=1", r"unknown section 'modle' .did you mean 'model'"),
+        ("train.stepz=3", r"unknown key train.stepz .did you mean 'steps'"),
+        ("train.steps.x=3", r"train.steps is not a mapping, so it has no sub-key 'x'"),
+        ("model.config.num_hidden_layers.x=3", r"model.config.num_hidden_layers is 8, not a mapping"),
+        ("model..x=3", "must look like section.key=value"),
+        ("model.config.x", "must look like section.key=value"),
+    ],
+)
+def test_set_stays_strict_outside_mappings(tmp_path: Path, override: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  config:\n    model_type: llama\n    num_hidden_layers: 8\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [override])
+
+
+def test_set_prompt_formatting_of_the_data_section() -> None:
+    template = "### Instruction:\n{prompt}\n\n### Response:\n"
+    sft = ["data.prompt_column=instruction", "data.response_column=output"]
+    config = load_config(
+        None, [*sft, 'data.prompt_template="### Instruction:\\n{prompt}\\n\\n### Response:\\n"']
+    )
+    assert config.data.prompt_template == template
+    assert load_config(None, [*sft, "data.chat_template=true"]).data.chat_template is True
+    with pytest.raises(ConfigError, match="data: prompt_template formats the prompt .* needs prompt_column"):
+        load_config(None, ["data.prompt_template='{prompt}'"])
+    with pytest.raises(ConfigError, match="data: prompt_template must be a string.*quote"):
+        load_config(None, [*sft, "data.prompt_template={prompt}"])
 
 
 def test_missing_dataset_column_is_named(tmp_path: Path, cache: str) -> None:

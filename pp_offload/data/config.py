@@ -5,9 +5,13 @@ Kept apart from the loading code so a recipe can be parsed and validated without
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 
 from pp_offload.data.errors import DataError
+
+#: The placeholder of ``prompt_template`` that stands for the value of ``prompt_column``.
+PROMPT_FIELD = "prompt"
 
 
 @dataclass
@@ -20,7 +24,17 @@ class DataConfig:
     config).
 
     Plain language modelling reads ``text_column``. Supervised fine-tuning sets both ``prompt_column`` and
-    ``response_column``: each example is prompt + response and only the response is learned.
+    ``response_column``: each example is prompt + response and only the response (and the eos after it) is
+    learned. Two ways to turn the prompt into text before tokenization, at most one of them:
+
+    - ``prompt_template``: a Python format string in which ``{prompt}`` is the prompt column's value and any
+      other ``{name}`` is the value of column ``name`` (missing values are empty; ``{{``/``}}`` are literal
+      braces), e.g. ``"### Instruction:\\n{prompt}\\n\\n### Response:\\n"``. The whole formatted prompt,
+      template text included, is masked from the loss.
+    - ``chat_template: true``: the tokenizer's own chat template renders a user message (the prompt) and an
+      assistant message (the response). Everything before the assistant's content (what the template renders
+      for the user message alone with ``add_generation_prompt=True``) is masked; the rest of the rendering
+      (the response and whatever the template closes the turn with) and the eos are learned.
     """
 
     path: str = "embedded"
@@ -30,6 +44,8 @@ class DataConfig:
     text_column: str = "text"
     prompt_column: str | None = None
     response_column: str | None = None
+    prompt_template: str | None = None
+    chat_template: bool = False
     seq_len: int = 128
     max_examples: int | None = None
 
@@ -41,6 +57,19 @@ class DataConfig:
                 "(plain text); "
                 f"got prompt_column={self.prompt_column!r}, response_column={self.response_column!r}"
             )
+        if self.prompt_template is not None and self.chat_template:
+            raise DataError(
+                "set prompt_template or chat_template, not both: the chat template already wraps the prompt"
+            )
+        formats = {"prompt_template": self.prompt_template is not None, "chat_template": self.chat_template}
+        for option, used in formats.items():
+            if used and not self.is_sft:
+                raise DataError(
+                    f"{option} formats the prompt of supervised fine-tuning: it needs prompt_column and "
+                    "response_column (plain text from text_column is used as it is)"
+                )
+        if self.prompt_template is not None:
+            self.template_fields()  # raises on a malformed template
         if self.seq_len < 1:
             raise DataError(f"seq_len must be >= 1, got {self.seq_len}")
         if self.max_examples is not None and self.max_examples < 1:
@@ -51,9 +80,49 @@ class DataConfig:
         """Whether examples are prompt + response pairs (prompt tokens masked from the loss)."""
         return self.prompt_column is not None
 
+    def template_fields(self) -> tuple[str, ...]:
+        """The placeholders of ``prompt_template`` in order of first use (empty without a template)."""
+        if self.prompt_template is None:
+            return ()
+        if not isinstance(self.prompt_template, str):
+            raise DataError(
+                f"prompt_template must be a string, got {self.prompt_template!r} (in YAML, quote a template "
+                "that starts with '{')"
+            )
+        try:
+            parsed = list(string.Formatter().parse(self.prompt_template))
+        except ValueError as error:
+            raise DataError(
+                f"prompt_template {self.prompt_template!r} is not a valid format string ({error}); "
+                "write literal braces as {{ and }}"
+            ) from error
+        fields: list[str] = []
+        for _, field, spec, conversion in parsed:
+            if field is None:
+                continue
+            if not field.isidentifier() or spec or conversion:
+                raise DataError(
+                    f"prompt_template placeholder {{{field}{'!' + conversion if conversion else ''}"
+                    f"{':' + spec if spec else ''}}} is not a plain name: use {{{PROMPT_FIELD}}} or "
+                    "{column_name}, and {{ / }} for literal braces"
+                )
+            if field not in fields:
+                fields.append(field)
+        if PROMPT_FIELD not in fields:
+            raise DataError(
+                f"prompt_template {self.prompt_template!r} has no {{{PROMPT_FIELD}}} placeholder: the prompt "
+                "column's text would be dropped"
+            )
+        return tuple(fields)
+
+    @property
+    def template_columns(self) -> tuple[str, ...]:
+        """Columns other than the prompt column that ``prompt_template`` reads."""
+        return tuple(f for f in self.template_fields() if f != PROMPT_FIELD and f != self.prompt_column)
+
     @property
     def columns(self) -> tuple[str, ...]:
         """The columns the examples must have."""
         if self.prompt_column is not None and self.response_column is not None:
-            return (self.prompt_column, self.response_column)
+            return (self.prompt_column, self.response_column, *self.template_columns)
         return (self.text_column,)

@@ -79,6 +79,11 @@ def require_columns(dataset: datasets.Dataset, config: DataConfig) -> None:
     """Raise a `DataError` naming the first missing column and the columns the dataset does have."""
     for column in config.columns:
         if column not in dataset.column_names:
+            if column in config.template_columns:  # checked after the prompt and response columns
+                raise DataError(
+                    f"prompt_template names column {column!r}, not found in dataset {config.path!r} (split "
+                    f"{config.split!r}); its columns are {dataset.column_names} ({{prompt}} is prompt_column)"
+                )
             role = "text_column" if not config.is_sft else "prompt_column/response_column"
             raise DataError(
                 f"column {column!r} not found in dataset {config.path!r} (split {config.split!r}); "

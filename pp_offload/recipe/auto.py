@@ -141,7 +141,8 @@ def choose_schedule(
             message = [{"error": str(error)}]
     dist.broadcast_object_list(message, src=0)
     if "error" in message[0]:
-        raise ConfigError(f"pipeline.schedule=auto: {message[0]['error']}")
+        unit = "" if spec.activation_budget_gib is None else " (bytes: activation_budget_gib x 2**30)"
+        raise ConfigError(f"pipeline.schedule=auto: {message[0]['error']}{unit}")
     decision = AutoDecision.from_dict(message[0]["decision"])
     if topo.rank == 0:
         report = {"decision": decision.to_dict(), "measurement": measurement.to_dict()}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pp_offload.data import DataConfig
+from pp_offload.data import DataConfig, DataError
 
 __all__ = [
     "ConfigError",
@@ -154,7 +154,10 @@ def _build(data: dict[str, Any], where: str) -> RecipeConfig:
         for key in values:
             if key not in names:
                 raise ConfigError(f"{where}: unknown key {section}.{key}{_closest(key, names)}")
-        sections[section] = cls(**values)
+        try:
+            sections[section] = cls(**values)
+        except DataError as error:  # DataConfig's own checks: a config error like any other, no traceback
+            raise ConfigError(f"{where}: {section}: {error}") from error
     config = RecipeConfig(**sections)
     if isinstance(config.train.betas, list):
         config.train.betas = tuple(config.train.betas)
@@ -170,7 +173,14 @@ def _parse_value(text: str) -> Any:
 def load_config(
     path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None
 ) -> RecipeConfig:
-    """Read a YAML recipe config (or start from the defaults) and apply ``section.key=value`` overrides."""
+    """Read a YAML recipe config (or start from the defaults) and apply ``section.key=value`` overrides.
+
+    The value is parsed as YAML (``3`` is an int, ``[csv, tensorboard]`` a list, ``null`` None). A key whose
+    value is a mapping (``model.config``, ``pipeline.costs``) can be reached into at any depth:
+    ``model.config.num_hidden_layers=4`` or ``model.config.rope_scaling.factor=8`` change one entry and keep
+    the others; missing entries and intermediate mappings are created. Sections and their keys stay strict:
+    an unknown one is an error naming the closest valid name.
+    """
     import yaml
 
     data: dict[str, Any] = {}
@@ -183,12 +193,46 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: the configuration must be a mapping of sections")
     for item in overrides or []:
-        key, sep, value = item.partition("=")
-        parts = key.strip().split(".")
-        if not sep or len(parts) != 2:
-            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=10)")
-        data.setdefault(parts[0], {})
-        if data[parts[0]] is None:
-            data[parts[0]] = {}
-        data[parts[0]][parts[1]] = _parse_value(value)
+        _apply_override(data, item, where)
     return _build(data, where)
+
+
+def _apply_override(data: dict[str, Any], item: str, where: str) -> None:
+    """Set ``section.key[.sub...]=value`` in the raw config ``data`` (nested dicts, as read from YAML)."""
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
+        raise ConfigError(
+            f"override {item!r} must look like section.key=value (e.g. train.steps=10), or "
+            "section.key.subkey=value inside a mapping (e.g. model.config.num_hidden_layers=4)"
+        )
+    section, name, *inner = parts
+    if section not in _SECTIONS:
+        raise ConfigError(
+            f"override {item!r}: unknown section {section!r}{_closest(section, list(_SECTIONS))}"
+        )
+    fields = {f.name: f for f in dataclasses.fields(_section_class(section))}
+    if name not in fields:
+        raise ConfigError(f"override {item!r}: unknown key {section}.{name}{_closest(name, list(fields))}")
+    if data.get(section) is None:
+        data[section] = {}
+    if not isinstance(data[section], dict):
+        raise ConfigError(f"{where}: section {section!r} must be a mapping, got {data[section]!r}")
+    node = data[section]
+    if inner and node.get(name) is None and "dict" not in str(fields[name].type):
+        raise ConfigError(
+            f"override {item!r}: {section}.{name} is not a mapping, so it has no sub-key {inner[0]!r}; "
+            f"set {section}.{name}=value"
+        )
+    keys = [name, *inner]
+    for depth in range(len(keys) - 1):  # walk (and create) the mappings down to the last key's parent
+        k = keys[depth]
+        if node.get(k) is None:
+            node[k] = {}
+        if not isinstance(node[k], dict):
+            raise ConfigError(
+                f"override {item!r}: {'.'.join([section, *keys[: depth + 1]])} is {node[k]!r}, not a "
+                f"mapping, so it has no sub-key {keys[depth + 1]!r}"
+            )
+        node = node[k]
+    node[keys[-1]] = _parse_value(value)

@@ -75,6 +75,12 @@ def topology(config: RecipeConfig) -> Topology:
     dp = int(config.pipeline.dp)
     if dp < 1:
         raise ConfigError(f"pipeline.dp must be >= 1, got {dp}")
+    if config.pipeline.pp is None and world % dp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ConfigError(
+            f"world size {world} is not a multiple of pipeline.dp={dp} (pipeline ranks = world size / dp): "
+            f"launch a multiple of {dp} processes, or use a pipeline.dp among {divisors}"
+        )
     pp = config.pipeline.pp if config.pipeline.pp is not None else world // dp
     if pp < 1 or pp * dp != world:
         raise ConfigError(
