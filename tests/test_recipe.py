@@ -106,18 +106,41 @@ def test_llama_v_half_resume_and_export(tmp_path: Path, cache: str) -> None:
     torch.testing.assert_close(loaded(ids).logits, reference_export(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_gpt2_loop_placement_and_offload(tmp_path: Path, cache: str) -> None:
-    """Interleaved-1F1B puts GPT-2's tied embedding and head on different ranks; V-Min offloads fully."""
-    gpt2 = _config(
-        tmp_path / "gpt2", model=GPT2, schedule="ScheduleInterleaved1F1B", steps=3, output__export=False
+def _pretrained_gpt2(where: Path, cache: str) -> dict:
+    """A GPT-2 saved as the hub's GPT-2 checkpoints are: the base model only (no "transformer." prefix,
+    no lm_head: it is tied), in bf16 (so the recipe loads it by part), with the embedded tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from pp_offload.data import embedded_assets, embedded_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_assets(embedded_dir(Path(cache))).tokenizer_dir)
+    values = {k: v for k, v in GPT2.items() if k != "model_type"}
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), **values)
     )
+    model.transformer.to(torch.bfloat16).save_pretrained(where, max_shard_size="200KB")  # as on the hub
+    tokenizer.save_pretrained(where)
+    return {"path": str(where)}
+
+
+def test_gpt2_loop_placement_and_offload(tmp_path: Path, cache: str) -> None:
+    """Interleaved-1F1B puts GPT-2's tied embedding and head on different ranks, each rank reading only
+    its own tensors of a pretrained checkpoint (meta skeleton + safetensors by name); V-Min offloads
+    fully. Both equal one process (which loads the whole checkpoint with from_pretrained)."""
+    pretrained = _pretrained_gpt2(tmp_path / "pretrained", cache)
+    from pp_offload.models.loading import check_checkpoint, empty_model
+
+    check_checkpoint(empty_model(pretrained["path"]), pretrained["path"])  # so the ranks load by part
+    gpt2 = _config(tmp_path / "gpt2", schedule="ScheduleInterleaved1F1B", steps=3, output__export=False)
+    gpt2["model"] = pretrained
     offload = _config(
         tmp_path / "offload", schedule="ScheduleVMin", steps=3, pipeline__offload="full", output__export=False
     )
     gpt2_losses, offload_losses = run_on_ranks(_worker, 2, [gpt2, offload], cache, timeout=240)[0]
-    _close(
-        gpt2_losses, _run(_config(tmp_path / "gpt2_ref", model=GPT2, steps=3, output__export=False), cache)
-    )
+    reference = _config(tmp_path / "gpt2_ref", steps=3, output__export=False)
+    reference["model"] = pretrained
+    _close(gpt2_losses, _run(reference, cache))
     _close(offload_losses, _run(_config(tmp_path / "offload_ref", steps=3, output__export=False), cache))
 
 

@@ -134,11 +134,15 @@ def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None) -> Any
     return AutoTokenizer.from_pretrained(source)
 
 
-def load_model(config: RecipeConfig, tokenizer: Any) -> nn.Module:
+def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -> nn.Module:
     """The causal LM on the CPU in fp32: from ``model.path``, or randomly initialised from ``model.config``.
 
     Every rank builds the same model (same seed); each then keeps the stages it holds. The vocabulary of
-    a config-only model defaults to the tokenizer's.
+    a config-only model defaults to the tokenizer's. ``partial`` (pipelined runs): a pretrained model whose
+    checkpoint is not in fp32 (bf16 on the hub) is returned as a skeleton on the meta device and
+    `build_pipeline` reads only the rank's own tensors (`pp_offload.models.loading`: an fp32 checkpoint
+    is memory-mapped by ``from_pretrained`` and costs no more); when the checkpoint cannot be read by part
+    (no safetensors, names that do not match), the whole model is loaded, as without ``partial``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -148,6 +152,22 @@ def load_model(config: RecipeConfig, tokenizer: Any) -> nn.Module:
     torch.manual_seed(config.train.seed)
     kwargs = {"attn_implementation": spec.attn_implementation, "dtype": torch.float32}
     if spec.path is not None:
+        if partial:
+            from pp_offload.models.loading import (
+                PartialLoadError,
+                check_checkpoint,
+                checkpoint_dtypes,
+                empty_model,
+            )
+
+            try:
+                if checkpoint_dtypes(spec.path) - {"F32", "I64", "I32", "BOOL"}:  # converted: load by part
+                    skeleton = empty_model(spec.path, **kwargs)
+                    check_checkpoint(skeleton, spec.path)
+                    return skeleton
+            except PartialLoadError as error:
+                if int(os.environ.get("RANK", "0")) == 0:
+                    print(f"loading the whole model on every rank: {error}", flush=True)
         return AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
     values = dict(spec.config)
     model_type = values.pop("model_type", None)
@@ -366,6 +386,10 @@ def build_pipeline(
         stage_indices=stage_indices(topo.pp_rank, topo.pp, info.placement, per_rank),
         layers_per_stage=spec.layers_per_stage,
     )
+    if any(p.is_meta for p in split.module.parameters()):  # a skeleton from load_model(partial=True)
+        from pp_offload.models.loading import load_split_weights
+
+        load_split_weights(split, model, str(config.model.path))
     split.module.to(device)
     if config.train.activation_checkpointing:
         activation_checkpointing(split)

@@ -244,7 +244,7 @@ def _run(
     data: tuple[Any, PackedBatches, Path | None],
 ) -> RunResult:
     tokenizer, batches, _ = data
-    model = load_model(config, tokenizer)
+    model = load_model(config, tokenizer, partial=topo.distributed)
     pipeline: Pipeline | None = None
     reference: _Reference | None = None
     decision = None
