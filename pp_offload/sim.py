@@ -11,7 +11,9 @@ Model (the papers'):
   stage needs its own F); W(s, j) needs I(s, j).
 - Costs are per *chunk* (one V stage = half a rank's layers). A schedule with ``n`` stages on ``d`` ranks
   has stages of ``2d/n`` chunks, so 1F1B's stage costs 2F and holds 2 chunk units: all schedules are
-  compared on the same model.
+  compared on the same model. With ``costs.stages`` every pass takes its own stage's per-chunk F/I/W
+  (``Costs.of_stage``) times the same scale, so imbalanced stages (embedding, LM head) are timed as such;
+  torch's stage 0 B (`as_executed_by_torch`) takes stage 0's own I + W.
 - Activation memory of a (stage, microbatch) is held from the start of its F until the end of its W
   (or B): torch keeps saved tensors until W because both I and W unpack them.
 
@@ -152,7 +154,7 @@ def simulate(
     rank_of_stage = {s: r for r in ranks for s, _, _ in passes[r]}
 
     deps = {r: [dependency(s, k, j, num_stages) for s, k, j in passes[r]] for r in ranks}
-    duration = {kind: costs.of(kind) * scale for kind in _COMPUTE}
+    duration = _durations(passes, costs, scale, num_stages)
     if any(found.values()):
         return _simulate_with_transfers(
             ranks, passes, found, deps, duration, costs, scale, rank_of_stage, copy_lanes
@@ -176,7 +178,7 @@ def simulate(
                         break
                     ready = end[dep] + (costs.comm if producer_rank[dep] != r else 0.0)
                 start = max(clock[r], ready)
-                finish = start + duration[kind]
+                finish = start + duration[r][pos[r]]
                 key = (stage, I if kind == B else kind, mb)
                 end[key] = finish
                 producer_rank[key] = r
@@ -194,6 +196,19 @@ def simulate(
         curves[r], peaks[r] = _memory(timeline[r], scale, [])
     makespan = max(clock.values())
     return SimResult(makespan, busy, peaks, timeline, curves, {r: [] for r in ranks}, {r: 0.0 for r in ranks})
+
+
+def _durations(passes, costs: Costs, scale: float, num_stages: int) -> dict[int, list[float]]:
+    """rank -> the duration of each of its compute passes, in order (per-stage when ``costs.stages``)."""
+    if costs.stages is None:
+        by_kind = {kind: costs.of(kind) * scale for kind in _COMPUTE}
+        return {r: [by_kind[k] for _, k, _ in seq] for r, seq in passes.items()}
+    if len(costs.stages) < num_stages:
+        raise ValueError(
+            f"costs.stages has {len(costs.stages)} entries but the order has {num_stages} stages; "
+            "give one [F, I, W] per stage"
+        )
+    return {r: [costs.of_stage(s, k) * scale for s, k, _ in seq] for r, seq in passes.items()}
 
 
 def _raise_deadlock(passes, pos, rank_of_stage) -> None:
@@ -334,7 +349,7 @@ def _simulate_with_transfers(ranks, passes, found, deps, duration, costs, scale,
                     if reloaded is not None and reloaded > ready:
                         start = reloaded
                         wait[r] += reloaded - ready
-                finish = start + duration[kind]
+                finish = start + duration[r][pos[r]]
                 key = (stage, I if kind == B else kind, mb)
                 end[key] = finish
                 producer_rank[key] = r

@@ -3,6 +3,7 @@ on a real 2-rank gloo pipeline of sleep-emulated stages."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from pp_offload.plan.auto import (
     Measurement,
     StageMeasurement,
     choose,
+    costs_for,
     measure_step,
 )
 
@@ -162,6 +164,38 @@ def test_bad_arguments(kwargs: dict, match: str) -> None:
     kwargs = {"num_microbatches": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         choose(_measurement(2), **kwargs)
+
+
+def _with_stages(d: int, slow: dict[int, float]) -> Measurement:
+    """`_measurement(d)` with stage ``s``'s F, I and W multiplied by ``slow[s]``."""
+    base = _measurement(d)
+    stages = tuple(
+        dataclasses.replace(
+            st, F=st.F * slow.get(s, 1.0), I=st.I * slow.get(s, 1.0), W=st.W * slow.get(s, 1.0)
+        )
+        for s, st in enumerate(base.stages)
+    )
+    return dataclasses.replace(base, stages=stages)
+
+
+def test_slow_last_stage_is_predicted_per_stage() -> None:
+    d, m = 2, 8
+    kw = {"num_microbatches": m, "offload": ["none"]}
+    slow = _with_stages(d, {2 * d - 1: 2.0})  # LM head + loss: stage 3 (rank 0 in V, rank 1 in loop)
+    for name in ("ScheduleVZB", "ScheduleInterleaved1F1B"):
+        t_uniform = choose(_measurement(d), schedules=[name], **kw).predicted_step_s
+        decision = choose(slow, schedules=[name], **kw)
+        assert decision.predicted_step_s > t_uniform * 1.2, name
+        assert set(decision.costs) == {"F", "I", "W", "comm", "transfer"}  # scalar keys only
+        assert decision.costs["F"] == pytest.approx(15.0)  # busiest rank's (10 + 20) / 2 ms
+    # V: rank 0's two stages averaged (15 ms each) give the same scalar costs, hence the same order, but a
+    # different pipeline: each stage is timed as measured, not as its rank's average
+    averaged = _with_stages(d, {0: 1.5, 2 * d - 1: 1.5})
+    assert costs_for(averaged, "ScheduleVZB", num_microbatches=m) == costs_for(
+        slow, "ScheduleVZB", num_microbatches=m
+    )
+    t_slow, t_avg = (choose(x, schedules=["ScheduleVZB"], **kw).predicted_step_s for x in (slow, averaged))
+    assert t_slow != pytest.approx(t_avg, rel=1e-3)
 
 
 def test_measurement_validation() -> None:

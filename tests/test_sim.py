@@ -189,3 +189,101 @@ def test_costs_are_validated():
         simulate(TWO_STAGES, {"F": -1})
     with pytest.raises(ValueError, match="unknown cost keys"):
         simulate(TWO_STAGES, {"B": 1})
+
+
+# --- per-stage costs --------------------------------------------------------------------------------------
+
+
+def _per_stage_like(costs: Costs, num_stages: int) -> Costs:
+    return Costs(
+        F=costs.F,
+        I=costs.I,
+        W=costs.W,
+        comm=costs.comm,
+        transfer=costs.transfer,
+        stages=((costs.F, costs.I, costs.W),) * num_stages,
+    )
+
+
+def _num_stages(order) -> int:
+    return 1 + max(s for acts in order.values() for s, _, _ in flatten(acts))
+
+
+def test_per_stage_costs_equal_to_scalar_ones_change_nothing():
+    from pp_offload.order.offload import plan_offload
+    from pp_offload.order.vshape import v_half_order, v_zb_order
+    from pp_offload.sim import as_executed_by_torch
+
+    skewed = Costs(F=1.0, I=1.5, W=0.5, comm=0.25, transfer=0.75)
+    offloaded = plan_offload(v_half_order(3, 6, skewed), skewed, "full").order
+    assert any(a.computation_type == "OFFLOAD" for acts in offloaded.values() for a in acts)
+    orders = {
+        "two stages": TWO_STAGES,
+        "1f1b": one_f_one_b_order(3, 5),
+        "v-zb as torch runs it": as_executed_by_torch(v_zb_order(3, 6, skewed)),
+        "v-half with offload": offloaded,
+    }
+    for name, order in orders.items():
+        per_stage = _per_stage_like(skewed, _num_stages(order))
+        for lanes in ("duplex", "shared"):
+            assert simulate(order, per_stage, copy_lanes=lanes) == simulate(
+                order, skewed, copy_lanes=lanes
+            ), name
+
+
+def test_slow_last_stage_lengthens_the_makespan_by_hand():
+    # 2 ranks, 2 microbatches, GPipe-like; one stage per rank = 2 chunks, so a pass takes 2 x its chunk cost.
+    order = _order("0F0 0F1 0I0 0W0 0I1 0W1", "1F0 1F1 1I0 1W0 1I1 1W1")
+    # uniform: 1F0 [2,4] ... 1W1 [12,14], 0I1 [12,14] 0W1 [14,16]
+    assert simulate(order).makespan == 16.0
+    slow = simulate(order, Costs(stages=((1, 1, 1), (2, 2, 2))))
+    # stage 1 passes take 4: 1F0 [2,6] 1F1 [6,10] 1I0 [10,14] 1W0 [14,18] 1I1 [18,22] 1W1 [22,26];
+    # stage 0 keeps 2 per pass: 0I0 [14,16] 0W0 [16,18] 0I1 [22,24] 0W1 [24,26]
+    assert slow.makespan == 26.0
+    assert slow.busy == {0: 12.0, 1: 24.0}
+    ends = {str(Action(*p)): e for r in (0, 1) for p, _, e in slow.timeline[r]}
+    assert ends["1I1"] == 22.0 and ends["0W1"] == 26.0
+    assert slow.peak_memory == simulate(order).peak_memory  # memory is in chunk units, not time
+
+
+def test_torch_stage_zero_backward_takes_its_own_i_plus_w():
+    from pp_offload.sim import as_executed_by_torch
+
+    torch_order = as_executed_by_torch(V_ONE_MB)
+    assert [str(a) for a in torch_order[0]][-1] == "0B0"
+    costs = Costs(stages=((1, 0.5, 2.5), (1, 1, 1), (1, 1, 1), (1, 1, 1)))
+    result = simulate(torch_order, costs)
+    (key, start, finish) = result.timeline[0][-1]
+    assert key == (0, "B", 0) and finish - start == 3.0  # stage 0's I + W, not the scalar 2
+    assert result.makespan == simulate(torch_order).makespan + 1.0
+
+
+def test_per_stage_costs_validation_and_coercion():
+    coerced = Costs.coerce({"F": 2, "stages": [[1, 2, 3], [4, 5, 6]]})
+    assert coerced.stages == ((1.0, 2.0, 3.0), (4.0, 5.0, 6.0)) and coerced.F == 2.0
+    assert hash(coerced) == hash(Costs(F=2, stages=((1, 2, 3), (4, 5, 6))))
+    assert coerced.of_stage(1, "B") == 11.0 and coerced.of_stage(0, "F") == 1.0
+    assert Costs(F=3).of_stage(5, "B") == 2.0  # no stages: the scalar costs
+    assert Costs(stages=((1, 1e-6, 1),)).stages[0][1] == 1e-6  # tiny is fine (torch's stage 0 I)
+    with pytest.raises(ValueError, match=r"stage 1\): I must be"):
+        Costs(stages=((1, 1, 1), (1, 0, 1)))
+    with pytest.raises(ValueError, match=r"\[0\] must be \[F, I, W\]"):
+        Costs(stages=((1, 1),))
+    with pytest.raises(ValueError, match="empty"):
+        Costs(stages=())
+    with pytest.raises(ValueError, match="unknown cost keys"):
+        Costs.coerce({"stage": [[1, 1, 1]]})
+    with pytest.raises(ValueError, match="2 entries but the order has 4 stages"):
+        simulate(V_ONE_MB, Costs(stages=((1, 1, 1), (1, 1, 1))))
+
+
+def test_order_generators_take_costs_with_stages():
+    from pp_offload.order.vshape import adaptive_v_order, v_half_order, v_min_order, v_zb_order
+
+    scalar = Costs(F=1.0, I=1.5, W=0.5)
+    same = _per_stage_like(scalar, 6)
+    for gen in (v_min_order, v_half_order, v_zb_order):
+        assert gen(3, 6, same) == gen(3, 6, scalar)
+    imbalanced = Costs(F=1.0, I=1.5, W=0.5, stages=((1, 1.5, 0.5),) * 5 + ((2, 3, 1),))
+    for order in (v_zb_order(3, 6, imbalanced), adaptive_v_order(3, 6, 0.5, imbalanced)):
+        simulate(order, imbalanced)  # builds and replays

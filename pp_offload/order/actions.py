@@ -48,6 +48,13 @@ class Costs:
     papers' default. ``comm`` is the latency added when a pass depends on a pass of another rank.
     ``transfer`` is the time to copy one chunk's saved activations one way between device and host (one
     OFFLOAD or one RELOAD); copies run on copy lanes beside the compute stream (see `pp_offload.sim`).
+
+    ``stages`` (optional): per stage index, the ``(F, I, W)`` of one chunk *of that stage*, in the same
+    per-chunk units as ``F``/``I``/``W`` (a stage of ``c`` chunks takes ``c`` times as long). Real pipelines
+    are imbalanced (embedding on the first stage, LM head and loss on the last), so `pp_offload.sim.simulate`
+    times each compute pass with its own stage's entry when given (`of_stage`). The order generators keep
+    using the scalar ``F``/``I``/``W`` (an order is a plan; only its evaluation needs each stage's truth).
+    ``None``: every stage costs ``F``/``I``/``W``.
     """
 
     F: float = 1.0
@@ -55,6 +62,7 @@ class Costs:
     W: float = 1.0
     comm: float = 0.0
     transfer: float = 0.0
+    stages: tuple[tuple[float, float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("F", "I", "W"):
@@ -65,12 +73,15 @@ class Costs:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"costs[{name!r}] must be >= 0, got {value!r}")
+        if self.stages is not None:
+            object.__setattr__(self, "stages", _stage_costs(self.stages))
 
     @classmethod
     def coerce(cls, costs: Costs | Mapping[str, float] | None) -> Costs:
         """Accept ``None`` (unit costs), a ``Costs`` or a mapping like ``{"F": 3, "I": 4, "W": 2}``.
 
-        Allowed keys: ``F``, ``I``, ``W``, ``comm``, ``transfer``; missing ones keep their defaults.
+        Allowed keys: ``F``, ``I``, ``W``, ``comm``, ``transfer``, ``stages`` (a list of ``[F, I, W]``
+        per stage); missing ones keep their defaults.
         """
         if costs is None:
             return cls()
@@ -80,18 +91,51 @@ class Costs:
             raise TypeError(
                 f"costs must be a mapping like {{'F': 1, 'I': 1, 'W': 1, 'comm': 0}}, got {costs!r}"
             )
-        unknown = set(costs) - {"F", "I", "W", "comm", "transfer"}
+        unknown = set(costs) - {"F", "I", "W", "comm", "transfer", "stages"}
         if unknown:
             raise ValueError(
-                f"unknown cost keys {sorted(unknown)}; allowed keys are 'F', 'I', 'W', 'comm', 'transfer'"
+                f"unknown cost keys {sorted(unknown)}; allowed keys are 'F', 'I', 'W', 'comm', 'transfer', "
+                "'stages'"
             )
-        return cls(**{k: float(v) for k, v in costs.items()})
+        return cls(**{k: v if k == "stages" else float(v) for k, v in costs.items()})
 
     def of(self, kind: str) -> float:
         """Duration of one pass of ``kind`` (F, I, W or B = I + W) on one chunk."""
         if kind == B:
             return self.I + self.W
         return getattr(self, kind)
+
+    def of_stage(self, stage: int, kind: str) -> float:
+        """Duration of one pass of ``kind`` (F, I, W or B = I + W) on one chunk of ``stage``: its own entry
+        in ``stages`` when given, else `of`."""
+        if self.stages is None:
+            return self.of(kind)
+        f, i, w = self.stages[stage]
+        return {F: f, I: i, W: w, B: i + w}[kind]
+
+
+def _stage_costs(stages: object) -> tuple[tuple[float, float, float], ...]:
+    """``stages`` as a tuple (hashable) of ``(F, I, W)`` float triples, each > 0; a ValueError names the
+    stage otherwise."""
+    if isinstance(stages, (str, bytes, Mapping)) or not hasattr(stages, "__iter__"):
+        raise ValueError(f"costs['stages'] must be a list of [F, I, W] per stage, got {stages!r}")
+    out = []
+    for s, entry in enumerate(stages):
+        try:
+            triple = tuple(float(v) for v in entry)
+        except (TypeError, ValueError):
+            triple = ()
+        if len(triple) != 3:
+            raise ValueError(f"costs['stages'][{s}] must be [F, I, W] (3 numbers), got {entry!r}")
+        for name, value in zip((F, I, W), triple, strict=True):
+            if not value > 0 or value == float("inf"):
+                raise ValueError(
+                    f"costs['stages'][{s}] (stage {s}): {name} must be a finite number > 0, got {value!r}"
+                )
+        out.append(triple)
+    if not out:
+        raise ValueError("costs['stages'] is empty; give [F, I, W] per stage, or None for the scalar F/I/W")
+    return tuple(out)
 
 
 def v_stages(rank: int, num_ranks: int) -> tuple[int, int]:

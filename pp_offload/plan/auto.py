@@ -13,10 +13,13 @@ reaches the same decision (and the recipe can still broadcast rank 0's `AutoDeci
 
 How each candidate (schedule x offload policy) is judged, with the planner's machinery
 (`pp_offload.plan.evaluate`): every candidate holds 2 stages per rank, so stage ``s`` has the same layers
-under V and loop placement and its measured costs apply as they are. The simulator's per-chunk F/I/W are
-the busiest rank's measured time per microbatch per kind over 2 (per placement), ``comm`` the measured p2p
-time, ``transfer`` the slowest stage's measured copy time. Orders are built as the schedule classes build
-them and rewritten as torch executes them (stage 0's backward whole at W); offload plans come from
+under V and loop placement and its measured costs apply as they are. Orders and offload plans are built
+with scalar per-chunk F/I/W, the busiest rank's measured time per microbatch per kind over 2 (per
+placement), as the schedule classes build them from `costs_for`; ``comm`` is the measured p2p time,
+``transfer`` the slowest stage's measured copy time. The simulator then times every pass with its own
+stage's measured F/I/W (``Costs.stages``), so an imbalanced first or last stage (embedding, LM head and
+loss) lengthens the prediction as it lengthens the step. Orders are rewritten as torch executes them
+(stage 0's backward whole at W, timed as stage 0's measured I + W); offload plans come from
 `pp_offload.order.offload.plan_offload`; the step time is the simulated makespan and the memory the peak of
 each rank's device-resident saved bytes in a replay with each stage's measured bytes. Where copies are
 synchronous (CPU), the busiest rank's copy time is added to the step time: the simulator's copy lanes would
@@ -46,6 +49,7 @@ from pp_offload.plan.evaluate import (
     combine,
     evaluate_orders,
     simulation_sizes,
+    stage_pass_costs,
 )
 from pp_offload.plan.memory import ChunkActivation, StateBytes
 from pp_offload.plan.orders import OURS, canonical_schedule, layout, microbatch_problem, resolve_search
@@ -218,8 +222,11 @@ def choose(
 
 
 def costs_for(measurement: Measurement, schedule: str, *, num_microbatches: int = 1) -> dict[str, float]:
-    """The measured costs (ms) ``choose`` simulates ``schedule`` with: what to pass as its ``costs=`` when
-    building it by hand, so its order and offload plan match the prediction."""
+    """The measured costs (ms) ``choose`` builds ``schedule``'s order and offload plan with: what to pass as
+    its ``costs=`` when building it by hand, so its order and offload plan match the prediction.
+
+    Scalar keys only: the per-stage times ``choose`` simulates with (``Costs.stages``) serve the prediction,
+    not the order, which the schedule classes and ``enable_offload`` build from the scalar F/I/W."""
     costs = _setup(measurement, canonical_schedule(schedule), _check_count(num_microbatches)).costs
     return {k: getattr(costs, k) for k in ("F", "I", "W", "comm", "transfer")}
 
@@ -333,13 +340,14 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
         for s, st in enumerate(measurement.stages)
     ]
     per_chunk = chunk_pass_times([st.times for st in stages], lay)
-    floor = 1e-6  # Costs needs F, I, W > 0
+    floor = 1e-6  # Costs needs F, I, W > 0 (stage 0's I is ~0 when torch ran its backward whole at W)
     costs = Costs(
         F=max(per_chunk.F, floor),
         I=max(per_chunk.I, floor),
         W=max(per_chunk.W, floor),
         comm=measurement.comm * _MS,
         transfer=max(max(st.offload, st.reload) for st in measurement.stages) * _MS / lay.chunks_per_stage,
+        stages=stage_pass_costs([st.times for st in stages], lay, floor=floor),
     )
     zero = StateBytes(0, 0, 0)
     return Setup(

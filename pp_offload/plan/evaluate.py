@@ -5,15 +5,18 @@ The steps, for each schedule:
 
 1. stages: the layers are split over the schedule's stages (`pp_offload.plan.split.balanced_split`), and
    each stage gets its pass times, its activation bytes per microbatch, and its parameters;
-2. costs: the simulator replays orders with one set of per-chunk costs (every rank holds 2 chunk units of
-   each microbatch, whatever its stages), so F, I and W are the busiest rank's time per microbatch (per
-   kind) over 2: the busiest rank sets the pace of the steady phase; fill and drain are then timed with
-   that rank's average stage, which is optimistic by the imbalance between a rank's own stages. ``comm``
-   is one hidden-state transfer, ``transfer`` the copy of the largest stage's saved activations (per
-   chunk unit);
-3. orders: the compute order is built (`pp_offload.plan.orders`) and rewritten as torch executes it
-   (stage 0's backward runs whole at W: `pp_offload.sim.as_executed_by_torch`); offload actions are placed
-   by `pp_offload.order.offload.plan_offload`; `pp_offload.sim.simulate` replays it;
+2. costs: the order generators take one set of per-chunk costs (every rank holds 2 chunk units of each
+   microbatch, whatever its stages), so the scalar F, I and W are the busiest rank's time per microbatch
+   (per kind) over 2: the busiest rank sets the pace of the steady phase. The simulator times each pass
+   with its own stage's costs (``Costs.stages``: each stage's times over its chunk units,
+   `stage_pass_costs`), so fill, drain and an imbalanced first or last stage are not averaged away.
+   ``comm`` is one hidden-state transfer, ``transfer`` the copy of the largest stage's saved activations
+   (per chunk unit);
+3. orders: the compute order is built with the scalar costs (`pp_offload.plan.orders`), as the schedule
+   classes build it at run time, and rewritten as torch executes it (stage 0's backward runs whole at W:
+   `pp_offload.sim.as_executed_by_torch`); offload actions are placed by
+   `pp_offload.order.offload.plan_offload`, also with the scalar costs (as ``enable_offload`` places them);
+   `pp_offload.sim.simulate` replays the result with the per-stage costs;
 4. memory: the simulator's timeline is replayed once more with each stage's real bytes: a chunk's saved
    tensors from the start of its F to the end of its W (B), its output and the loss's tensors until its
    input-gradient pass ends, offloaded tensors off the device from the end of their OFFLOAD to the start
@@ -28,6 +31,7 @@ The steps, for each schedule:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -134,6 +138,7 @@ def setup_schedule(
         W=per_chunk.W,
         comm=p2p_seconds(spec, machine, precision, microbatch_size=microbatch_size, seq_len=seq_len),
         transfer=transfer_seconds(host, machine) / scale,
+        stages=stage_pass_costs([st.times for st in stages], lay, floor=1e-9),
     )
     state, recv, transient = [], [], []
     for rank in range(pp):
@@ -190,6 +195,22 @@ def chunk_pass_times(times: list[PassTimes], lay: Layout) -> PassTimes:
     return PassTimes(F=per_chunk("F"), I=per_chunk("I"), W=per_chunk("W"))
 
 
+def stage_pass_costs(
+    times: list[PassTimes], lay: Layout, *, floor: float
+) -> tuple[tuple[float, float, float], ...]:
+    """``Costs.stages``: per stage, its F, I and W per microbatch over its chunk units (the simulator
+    multiplies every pass by ``lay.chunks_per_stage``, so this gives each pass its stage's own time), each
+    at least ``floor`` (``Costs`` needs > 0; torch's stage 0 measures ~0 at I and its whole backward at W,
+    which `pp_offload.sim.as_executed_by_torch` replays as one B = I + W of that stage)."""
+    scale = lay.chunks_per_stage
+    return tuple(tuple(max(getattr(t, k) / scale, floor) for k in ("F", "I", "W")) for t in times)
+
+
+def scalar_costs(costs: Costs) -> Costs:
+    """``costs`` without ``stages``: what orders and offload plans are built with (module doc, 3)."""
+    return costs if costs.stages is None else dataclasses.replace(costs, stages=None)
+
+
 def choose_adaptive_limit(setup: Setup, *, limit_bytes: int, num_microbatches: int) -> None:
     """The adaptive schedule's cap: the most chunk units every rank can hold within ``limit_bytes`` next to
     its static memory, between the V floor (2 units) and 1F1B's peak (``2 * min(d, m)``)."""
@@ -244,7 +265,7 @@ def build_orders(setup: Setup, sizes: list[int], *, search: str, virtual_stages:
                 setup.schedule,
                 setup.layout.num_ranks,
                 size,
-                setup.costs,
+                scalar_costs(setup.costs),
                 search=search,
                 memory_cap=setup.memory_cap,
                 virtual_stages=virtual_stages,
@@ -266,8 +287,6 @@ def evaluate_orders(
     after the preceding pass), while the offload plan still uses ``setup.costs.transfer``; the copies' time
     is then the caller's to add.
     """
-    import dataclasses
-
     from pp_offload.order.offload import plan_offload, resolve_offload
     from pp_offload.sim import simulate
 
@@ -276,8 +295,10 @@ def evaluate_orders(
     for size in orders.sizes:
         order = orders.orders[size]
         if resolved.enabled:
-            planned = plan_offload(order, setup.costs, resolved)
+            planned = plan_offload(order, scalar_costs(setup.costs), resolved)
             sim = planned.sim
+            if setup.costs.stages is not None:  # planned as at run time, timed per stage
+                sim = simulate(planned.order, setup.costs, copy_lanes=planned.policy.lanes)
             per_rank = [len(planned.offloaded.get(r, ())) for r in sorted(sim.timeline)]
         else:
             sim = simulate(order, setup.costs)
