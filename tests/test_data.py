@@ -359,10 +359,12 @@ def test_load_hub_name_unreachable_fails_fast(tmp_path, monkeypatch):
 
 
 def test_hub_probe_sees_a_closed_endpoint(monkeypatch):
-    for name in loading._PROXY_VARS:
+    from pp_offload import hub
+
+    for name in hub._PROXY_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")
-    assert loading._hub_reachable(timeout=2.0) is False
+    assert hub.hub_reachable(timeout=2.0) is False
 
 
 # ---------------------------------------------------------------- batches

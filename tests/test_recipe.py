@@ -358,3 +358,20 @@ def test_missing_dataset_column_is_named(tmp_path: Path, cache: str) -> None:
     config = _config(tmp_path, data__text_column="body")
     with pytest.raises(DataError, match="body"):
         _run(config, cache)
+
+
+def test_unreachable_hub_fails_fast_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pp_offload.hub as hub
+    from pp_offload.recipe.parts import check_model_sources
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda timeout=3.0: False)
+    remote = RecipeConfig.from_dict({"model": {"path": "org/some-model"}})
+    with pytest.raises(
+        ConfigError, match="model.path='org/some-model' is not a local path and the hub .* unreachable"
+    ):
+        check_model_sources(remote)
+    check_model_sources(RecipeConfig.from_dict({"model": {"path": str(tmp_path)}}))  # local: no question
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_model_sources(remote)  # offline mode: the local cache decides

@@ -10,15 +10,14 @@ module adds is the choice of builder for a bare local file, and turning the many
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from pp_offload.data.config import DataConfig
 from pp_offload.data.embedded import embedded_assets, embedded_dir
 from pp_offload.data.errors import DataError
+from pp_offload.hub import endpoint as _endpoint
+from pp_offload.hub import hub_reachable as _hub_reachable
 
 if TYPE_CHECKING:
     import datasets
@@ -35,7 +34,6 @@ SUFFIX_BUILDERS = {
     ".csv": "csv",
 }
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
-_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 _HINT = (
     "pass a local file (.txt/.json/.jsonl/.parquet/.csv), a directory of such files, a builder name "
     "('text', 'json', 'parquet', 'csv') with data_files, or path='embedded'"
@@ -153,30 +151,3 @@ def _load_from_hub(config: DataConfig, cache_dir: str | None) -> datasets.Datase
         ) from error
 
 
-def _endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds.
-
-    Behind a proxy a direct connection proves nothing, so then the answer is yes and `datasets` decides. The
-    connection runs in a daemon thread because name resolution ignores socket timeouts.
-    """
-    if any(os.environ.get(name) for name in _PROXY_VARS):
-        return True
-    url = urlparse(_endpoint())
-    port = url.port or (443 if url.scheme == "https" else 80)
-    opened: list[bool] = []
-
-    def connect() -> None:
-        try:
-            with socket.create_connection((url.hostname, port), timeout=timeout):
-                opened.append(True)
-        except OSError:
-            pass
-
-    thread = threading.Thread(target=connect, daemon=True, name="hub-probe")
-    thread.start()
-    thread.join(timeout)
-    return bool(opened)

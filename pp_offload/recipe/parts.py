@@ -28,6 +28,7 @@ __all__ = [
     "Pipeline",
     "Topology",
     "build_pipeline",
+    "check_model_sources",
     "device_for",
     "init_process_group",
     "load_model",
@@ -118,6 +119,25 @@ def init_process_group(config: RecipeConfig, topo: Topology, device: torch.devic
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(config.train.timeout_s)))
     return True
+
+
+def check_model_sources(config: RecipeConfig) -> None:
+    """Fail in seconds, not after transformers' half minute of retries, when ``model.path`` or
+    ``model.tokenizer`` is a hub id and the hub cannot be reached (offline mode uses the local cache)."""
+    from pp_offload.hub import endpoint, hub_reachable, offline_mode
+
+    spec = config.model
+    remote = [
+        (key, value)
+        for key, value in (("model.path", spec.path), ("model.tokenizer", spec.tokenizer))
+        if value is not None and not Path(value).exists()
+    ]
+    if remote and not offline_mode() and not hub_reachable():
+        key, value = remote[0]
+        raise ConfigError(
+            f"{key}={value!r} is not a local path and the hub ({endpoint()}) is unreachable: download it "
+            "first and give its directory, or set HF_HUB_OFFLINE=1 to use a copy in your Hugging Face cache"
+        )
 
 
 def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None) -> Any:

@@ -50,6 +50,7 @@ from pp_offload.recipe.parts import (
     Pipeline,
     Topology,
     build_pipeline,
+    check_model_sources,
     device_for,
     init_process_group,
     load_model,
@@ -224,6 +225,7 @@ def run(
     cache = Path(cache_dir) if cache_dir is not None else out / "cache"
     if topo.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+    check_model_sources(config)
     preflight(config, topo, num_layers_of(config) if topo.distributed else None)
     data = _data(config, topo, cache)  # before the group exists: a bad dataset stops every rank alike
     created = init_process_group(config, topo, device)
