@@ -85,11 +85,10 @@ def _checkpoint_name(name: str, available: set[str], model: nn.Module) -> str:
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
     if name.startswith(prefix) and name[len(prefix) :] in available:
         return name[len(prefix) :]  # a base-model checkpoint (e.g. GPT-2's "h.0....")
-    if getattr(model.config, "tie_word_embeddings", False):
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        if head is not None and names.get(id(head.weight)) == name:
-            return _checkpoint_name(names_of(model, embedding.weight), available, model)
+    head = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None:
+        if name == _weight_name(model, head):  # a tied head is saved as the input embedding
+            return _checkpoint_name(_weight_name(model, model.get_input_embeddings()), available, model)
     raise PartialLoadError(f"the checkpoint has no tensor for {name!r}")
 
 
@@ -129,12 +128,9 @@ def _shared_parameters(module: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def names_of(model: nn.Module, tensor: torch.Tensor) -> str:
-    """The first name under which ``tensor`` is registered in ``model``."""
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if param is tensor:
-            return name
-    raise KeyError("tensor not registered in the model")
+def _weight_name(model: nn.Module, module: nn.Module) -> str:
+    """The model's name for ``module``'s weight (``lm_head.weight``, ``model.embed_tokens.weight``)."""
+    return next(f"{name}.weight" for name, sub in model.named_modules() if sub is module)
 
 
 def load_split_weights(

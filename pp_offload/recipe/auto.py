@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_offload.fsutil import write_text_atomic
+from pp_offload.recipe.checkpoint import rng_state, set_rng_state
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.parts import Pipeline, Topology, build_pipeline
 
@@ -54,32 +55,14 @@ def _probe_config(config: RecipeConfig) -> RecipeConfig:
 
 def chosen_config(config: RecipeConfig, decision: Any) -> RecipeConfig:
     """``config`` with the decision's schedule, offload policy, adaptive limit and measured costs."""
-    from pp_offload.runtime.catalog import schedule_info
-
-    ours = schedule_info(decision.schedule).module == "pp_offload.runtime.schedules"
     pipeline = dataclasses.replace(
         config.pipeline,
         schedule=decision.schedule,
         offload=decision.offload,
-        memory_limit=decision.memory_limit,
-        costs=dict(decision.costs),
+        memory_limit=decision.memory_limit,  # set for ScheduleVAdaptive only
+        costs=dict(decision.costs),  # torch's schedules use them for their offload plan
     )
-    if not ours:
-        pipeline.memory_limit = None  # torch's schedules take no limit; costs still plan their offload
     return dataclasses.replace(config, pipeline=pipeline)
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _restore_rng(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def choose_schedule(
@@ -116,7 +99,7 @@ def choose_schedule(
                 )
             return chosen_config(config, decision), decision
     spec = config.pipeline
-    rng = _rng_state(device)
+    rng = rng_state()
     probe = build_pipeline(_probe_config(config), model, topo, device, mesh, shard=False)
     measurement = measure_step(
         probe.schedule, lambda: probe_step(probe), steps=int(spec.auto_probe_steps), group=probe.pp_group
@@ -124,7 +107,7 @@ def choose_schedule(
     for param in model.parameters():
         param.grad = None
     probe.split.module.to("cpu")  # the real split moves what it holds back; nothing stays behind on a GPU
-    _restore_rng(rng, device)
+    set_rng_state(rng)
 
     message = [None]
     if topo.rank == 0:

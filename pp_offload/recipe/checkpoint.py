@@ -31,7 +31,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from pp_offload.fsutil import partial_dir, publish_dir, write_text_atomic
 
-__all__ = ["CheckpointError", "latest_step", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "latest_step",
+    "load_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
 
 _LATEST = "latest.json"
 # Flattened optimizer state: every entry (param_groups included) is keyed by parameter name. The nested
@@ -85,7 +92,7 @@ def save_checkpoint(
     model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
     with _quiet_single_process():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(scratch))
-    torch.save(_rng_state(), scratch / f"rng_{_rank()}.pt")
+    torch.save(rng_state(), scratch / f"rng_{_rank()}.pt")
     _barrier()
     if _rank() == 0:
         (scratch / "meta.json").write_text(json.dumps({"step": step}) + "\n")
@@ -136,18 +143,20 @@ def load_checkpoint(root: str | Path, module: nn.Module, optimizer: torch.optim.
     )
     rng = where / f"rng_{_rank()}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(torch.load(rng, weights_only=False))
     return step
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's random number state (CPU, and its current CUDA device once CUDA is in use)."""
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore a `rng_state`."""
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

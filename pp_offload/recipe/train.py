@@ -246,6 +246,8 @@ def _run(
     data: tuple[Any, PackedBatches, Path | None],
 ) -> RunResult:
     tokenizer, batches, _ = data
+    ckpt_root = out / "checkpoints"
+    resume_from = latest_step(ckpt_root) if config.output.resume else None
     model = load_model(config, tokenizer, partial=topo.distributed)
     pipeline: Pipeline | None = None
     reference: _Reference | None = None
@@ -255,15 +257,14 @@ def _run(
             topo.pp, topo.dp, device_type=device.type, dp_replicate=config.pipeline.dp_replicate
         )
         if is_auto(config):
-            resuming = config.output.resume and latest_step(out / "checkpoints") is not None
-            first = {k: v.to(device) for k, v in batches.batch(latest_step(out / "checkpoints") or 0).items()}
+            first = {k: v.to(device) for k, v in batches.batch(resume_from or 0).items()}  # the run's first
 
             def probe_step(probe: Pipeline) -> None:
                 with _autocast(config, device, topo):
                     _pipeline_step(probe, first)
 
             config, decision = choose_schedule(
-                config, model, topo, device, mesh, probe_step, out, reuse=resuming
+                config, model, topo, device, mesh, probe_step, out, reuse=resume_from is not None
             )
         pipeline = build_pipeline(config, model, topo, device, mesh)
         module = pipeline.module
@@ -279,12 +280,11 @@ def _run(
     optimizer = torch.optim.AdamW(
         module.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
     )
-    ckpt_root = out / "checkpoints"
     start = 0
     result = RunResult(output_dir=out, schedule=pipeline.info.name if pipeline else "single process")
     if decision is not None:
         result.auto = decision.to_dict()
-    if config.output.resume and latest_step(ckpt_root) is not None:
+    if resume_from is not None:
         start = load_checkpoint(ckpt_root, module, optimizer)
         result.resumed_from = start
     metrics = _Metrics(config, out, resumed=start > 0) if topo.rank == 0 else None
