@@ -71,6 +71,13 @@ def test_model_split_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "lm_head.weight" in out and re.search(r"loss \d+\.\d{4}", out), out
 
 
+def test_partial_loading_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    exec(compile(_block("load_split_weights(split, skeleton, where)"), "README-loading", "exec"), {})
+    out = capsys.readouterr().out
+    match = re.search(r"read (\d+) tensors; (\d+) parameters of other ranks", out)
+    assert match and int(match[1]) > 0 and int(match[2]) > 0, out
+
+
 def test_auto_choice_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     exec(compile(_block("Measurement.uniform(4"), "README-auto", "exec"), {})
     out = capsys.readouterr().out

@@ -15,11 +15,11 @@ loading the whole model.
 
 When it pays: a checkpoint in another dtype than the training one (bf16 on the hub, fp32 master weights
 here) is converted tensor by tensor, so ``from_pretrained`` materialises the whole converted model
-(measured: a 134M-parameter Llama, bf16 checkpoint, rank 1 of 4 holding 22% of the weights: peak RSS
-+956 MiB above the imports with ``from_pretrained``, +311 MiB loading by part). A checkpoint already in
-the training dtype is memory-mapped by ``from_pretrained`` and tensors nobody touches never become
-resident (same model in fp32: +108 MiB vs +339 MiB by part, which copies), so the recipe loads by part
-only when the dtypes differ.
+(``bench/bench_loading.py``: a 134M-parameter Llama, bf16 checkpoint, rank 1 of 4 holding 22% of the
+weights: peak RSS +957 MiB above the imports with ``from_pretrained``, +285 MiB loading by part). A
+checkpoint already in the training dtype is memory-mapped by ``from_pretrained`` and tensors nobody
+touches never become resident (same model in fp32: +108 MiB vs +339 MiB by part, which copies), so the
+recipe loads by part only when the dtypes differ.
 """
 
 from __future__ import annotations
