@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_on_ranks
+from _tolerance import assert_trajectory_close
 
 from pp_offload.recipe import ConfigError, RecipeConfig, load_config
 from pp_offload.recipe.parts import Topology, preflight
@@ -32,7 +33,7 @@ GPT2 = {
     "embd_pdrop": 0.0,
     "attn_pdrop": 0.0,
 }
-REL, ABS = 1e-5, 1e-6  # fp32; pipelined and single-process runs sum microbatch grads in other orders
+REL, ABS = 1e-5, 1e-6  # fp32, the same layout and order (a resumed run against an uninterrupted one)
 
 
 def _config(
@@ -67,8 +68,15 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _close(got: list[float], want: list[float]) -> None:
+    """The same computation in the same order (a resumed run against an uninterrupted one): tight."""
     assert len(got) == len(want)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=REL, atol=ABS)
+
+
+def _matches_one_process(got: list[float], want: list[float], what: str = "loss") -> None:
+    """A pipelined trajectory against one process: step 0 tight, later steps within the drift that
+    another summation order causes (tests/_tolerance.py, measured by bench/bench_trajectory_drift.py)."""
+    assert_trajectory_close(got, want, what)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -80,7 +88,7 @@ def test_llama_v_half_resume_and_export(tmp_path: Path, cache: str) -> None:
     results = run_on_ranks(_worker, 2, [full, first, resumed], cache, timeout=240)
     pipelined, head, tail = results[0]
     reference = _run(_config(tmp_path / "reference"), cache)
-    _close(pipelined, reference)
+    _matches_one_process(pipelined, reference)
     assert reference[-1] < reference[0]
     # warm-up covers steps 0-1, so the 2-step run's learning rates are the 4-step run's
     _close(head + tail, pipelined)
@@ -140,8 +148,9 @@ def test_gpt2_loop_placement_and_offload(tmp_path: Path, cache: str) -> None:
     gpt2_losses, offload_losses = run_on_ranks(_worker, 2, [gpt2, offload], cache, timeout=240)[0]
     reference = _config(tmp_path / "gpt2_ref", steps=3, output__export=False)
     reference["model"] = pretrained
-    _close(gpt2_losses, _run(reference, cache))
-    _close(offload_losses, _run(_config(tmp_path / "offload_ref", steps=3, output__export=False), cache))
+    _matches_one_process(gpt2_losses, _run(reference, cache))
+    offload_reference = _config(tmp_path / "offload_ref", steps=3, output__export=False)
+    _matches_one_process(offload_losses, _run(offload_reference, cache))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -169,15 +178,15 @@ def test_hybrid_pp2_dp2_matches_single_process_with_sharded_resume_and_export(
     assert all(r == results[0] for r in results)  # every rank reports the same losses
     pipelined, head, tail, gpt2_losses = results[0]
     reference = _run(_config(tmp_path / "reference"), cache)
-    _close(pipelined, reference)
+    _matches_one_process(pipelined, reference)
     _close(head + tail, pipelined)
-    _close(
+    _matches_one_process(
         gpt2_losses, _run(_config(tmp_path / "gpt2_ref", model=GPT2, steps=3, output__export=False), cache)
     )
     norms = [
         json.loads((tmp_path / d / "summary.json").read_text())["grad_norms"] for d in ("full", "reference")
     ]
-    _close(norms[0], norms[1])  # the norm over pp and dp counts every gradient once
+    _matches_one_process(norms[0], norms[1], "grad_norm")  # the norm over pp and dp counts each grad once
     shards = sorted(p.name for p in (tmp_path / "full" / "checkpoints" / "step_00000004").glob("*.distcp"))
     assert len(shards) == 4  # sharded state: every rank wrote its part
 
@@ -215,7 +224,7 @@ def test_auto_schedule_probes_chooses_the_same_everywhere_and_trains_exactly(
     results = run_on_ranks(_auto_worker, 2, [full, first, resumed], cache, timeout=300)
     assert results[0] == results[1]
     (losses, decision), (head, probed), (tail, again) = results[0]
-    _close(losses, _run(_config(tmp_path / "reference", output__export=False), cache))
+    _matches_one_process(losses, _run(_config(tmp_path / "reference", output__export=False), cache))
     _close(head + tail, losses)
     assert again == probed  # the resumed run took the recorded choice, not a new probe's
     budget = decision["budget_bytes"]
