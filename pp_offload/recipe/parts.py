@@ -289,9 +289,12 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
         spec = config.pipeline
     try:
         info = schedule_info(spec.schedule)
+    except ValueError as error:
+        raise ConfigError(f"pipeline.schedule: {error}") from error
+    try:
         per_rank = info.stages_per_rank(spec.stages_per_rank)
     except ValueError as error:
-        raise ConfigError(f"pipeline.schedule / pipeline.stages_per_rank: {error}") from error
+        raise ConfigError(f"pipeline.stages_per_rank: {error}") from error
     num_stages = topo.pp * per_rank
     if spec.microbatches < 1:
         raise ConfigError(f"pipeline.microbatches must be >= 1, got {spec.microbatches}")
@@ -320,8 +323,8 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
     if num_layers is not None and num_layers < num_stages:
         raise ConfigError(
             f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
-            f"({topo.pp} ranks x {per_rank} stages per rank for {info.name}): use fewer pipeline ranks, "
-            "a V schedule or fewer stages per rank, or a model with more layers"
+            f"({topo.pp} ranks x {per_rank} stages per rank for {info.name}): "
+            + _fewer_stages_fix(info, num_layers)
         )
     if spec.layers_per_stage is not None and len(spec.layers_per_stage) != num_stages:
         raise ConfigError(
@@ -334,6 +337,18 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
             "ScheduleVHalf or ScheduleInterleaved1F1B"
         )
     return info
+
+
+def _fewer_stages_fix(info: ScheduleInfo, num_layers: int) -> str:
+    """What to change when the model has fewer layers than stages, for this schedule's placement."""
+    if info.placement == "v" and num_layers >= 2:
+        return (
+            f"use at most {num_layers // 2} pipeline ranks (a V schedule holds 2 stages per rank), or a "
+            "model with more layers"
+        )
+    if info.placement == "loop":
+        return "set fewer pipeline.stages_per_rank, use fewer pipeline ranks, or a model with more layers"
+    return f"use at most {num_layers} pipeline ranks (one stage each), or a model with more layers"
 
 
 def _check_auto(spec: Any) -> None:
