@@ -60,7 +60,7 @@ def test_an_unsupported_model_is_a_configuration_error_without_traceback(
 
 
 def test_too_few_layers_fix_depends_on_the_placement() -> None:
-    assert _fewer_stages_fix(schedule_info("ScheduleVHalf"), 3).startswith("use at most 1 pipeline ranks")
+    assert _fewer_stages_fix(schedule_info("ScheduleVHalf"), 3).startswith("use at most 1 pipeline rank (a V")
     assert "stages_per_rank" in _fewer_stages_fix(schedule_info("ScheduleInterleaved1F1B"), 3)
     assert _fewer_stages_fix(schedule_info("Schedule1F1B"), 3).startswith("use at most 3 pipeline ranks")
 
@@ -68,3 +68,15 @@ def test_too_few_layers_fix_depends_on_the_placement() -> None:
 def test_a_misspelt_schedule_name_gets_the_closest_one() -> None:
     with pytest.raises(ValueError, match="did you mean 'ScheduleVHalf'"):
         schedule_info("ScheduleVHlaf")
+
+
+def test_offline_mode_with_a_model_missing_from_the_cache_is_a_configuration_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pp_offload.recipe.config import ConfigError, load_config
+    from pp_offload.recipe.parts import check_model_sources
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = load_config(None, ["model.path=no-such-org/no-such-model-pp-offload"])
+    with pytest.raises(ConfigError, match="not in your Hugging Face cache, and offline mode"):
+        check_model_sources(config)

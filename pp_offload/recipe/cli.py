@@ -40,7 +40,10 @@ TIMEOUT_HINT = (
     "a collective timed out (train.timeout_s): another rank is stuck or has died; its own error, if any, is "
     "in its output. Raise train.timeout_s only if a rank legitimately needs longer between collectives."
 )
-PEER_EXITED_HINT = "another rank exited while this one waited for it: its own error is the one to read."
+PEER_EXITED_HINT = (
+    "another rank exited while this one waited for it: read that rank's own error. A rank with none was "
+    "killed: torchrun's summary then shows exitcode -9 (SIGKILL), often the system's out-of-memory killer."
+)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -138,6 +138,16 @@ def check_model_sources(config: RecipeConfig) -> None:
             f"{key}={value!r} is not a local path and the hub ({endpoint()}) is unreachable: download it "
             "first and give its directory, or set HF_HUB_OFFLINE=1 to use a copy in your Hugging Face cache"
         )
+    if spec.path is not None and offline_mode() and not Path(spec.path).exists():
+        # Offline, transformers reports a missing model as a failed connection, after a traceback.
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(spec.path, "config.json"), str):
+            raise ConfigError(
+                f"model.path={spec.path!r} is not a local path and not in your Hugging Face cache, and "
+                f"offline mode (HF_HUB_OFFLINE) forbids downloading it: download it first (`hf download "
+                f"{spec.path}` where the hub is reachable) and give its directory, or unset HF_HUB_OFFLINE"
+            )
 
 
 def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None) -> Any:
@@ -342,9 +352,10 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
 def _fewer_stages_fix(info: ScheduleInfo, num_layers: int) -> str:
     """What to change when the model has fewer layers than stages, for this schedule's placement."""
     if info.placement == "v" and num_layers >= 2:
+        ranks = num_layers // 2
         return (
-            f"use at most {num_layers // 2} pipeline ranks (a V schedule holds 2 stages per rank), or a "
-            "model with more layers"
+            f"use at most {ranks} pipeline rank{'s' if ranks > 1 else ''} (a V schedule holds 2 stages per "
+            "rank), or a model with more layers"
         )
     if info.placement == "loop":
         return "set fewer pipeline.stages_per_rank, use fewer pipeline ranks, or a model with more layers"
