@@ -74,9 +74,12 @@ def test_offline_mode_with_a_model_missing_from_the_cache_is_a_configuration_err
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from pp_offload.recipe.config import ConfigError, load_config
-    from pp_offload.recipe.parts import check_model_sources
+    from pp_offload.recipe.parts import load_model, load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = load_config(None, ["model.path=no-such-org/no-such-model-pp-offload"])
-    with pytest.raises(ConfigError, match="not in your Hugging Face cache, and offline mode"):
-        check_model_sources(config)
+    missing = "model.path='no-such-org/no-such-model-pp-offload' is not a local path and not in your"
+    with pytest.raises(ConfigError, match=missing):
+        load_tokenizer(config, None)
+    with pytest.raises(ConfigError, match=missing):
+        load_model(config, None, partial=True)

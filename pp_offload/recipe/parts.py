@@ -7,9 +7,11 @@ ranks waiting in a collective for a rank that already died.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,16 +140,6 @@ def check_model_sources(config: RecipeConfig) -> None:
             f"{key}={value!r} is not a local path and the hub ({endpoint()}) is unreachable: download it "
             "first and give its directory, or set HF_HUB_OFFLINE=1 to use a copy in your Hugging Face cache"
         )
-    if spec.path is not None and offline_mode() and not Path(spec.path).exists():
-        # Offline, transformers reports a missing model as a failed connection, after a traceback.
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(spec.path, "config.json"), str):
-            raise ConfigError(
-                f"model.path={spec.path!r} is not a local path and not in your Hugging Face cache, and "
-                f"offline mode (HF_HUB_OFFLINE) forbids downloading it: download it first (`hf download "
-                f"{spec.path}` where the hub is reachable) and give its directory, or unset HF_HUB_OFFLINE"
-            )
 
 
 def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None) -> Any:
@@ -161,7 +153,28 @@ def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None) -> Any
                 "no tokenizer: set model.tokenizer (or model.path) when the data is not the embedded corpus"
             )
         source = str(embedded_tokenizer)
-    return AutoTokenizer.from_pretrained(source)
+    key = "model.tokenizer" if config.model.tokenizer else "model.path"
+    with _missing_from_cache(key, source):
+        return AutoTokenizer.from_pretrained(source)
+
+
+@contextlib.contextmanager
+def _missing_from_cache(key: str, value: str) -> Iterator[None]:
+    """Offline, transformers reports a hub id missing from the cache as a failed connection, with a
+    traceback on every rank: say which key names it and what to do, as a configuration error."""
+    from pp_offload.hub import offline_mode
+
+    try:
+        yield
+    except OSError as error:
+        if not offline_mode() or Path(value).exists():
+            raise
+        raise ConfigError(
+            f"{key}={value!r} is not a local path and not in your Hugging Face cache, and offline mode "
+            f"(HF_HUB_OFFLINE) forbids downloading it: download it first (`hf download {value}` where the "
+            f"hub is reachable) and give its directory, or unset HF_HUB_OFFLINE (transformers: "
+            f"{str(error).splitlines()[0] if str(error) else type(error).__name__})"
+        ) from error
 
 
 def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -> nn.Module:
@@ -182,23 +195,8 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
     torch.manual_seed(config.train.seed)
     kwargs = {"attn_implementation": spec.attn_implementation, "dtype": torch.float32}
     if spec.path is not None:
-        if partial:
-            from pp_offload.models.loading import (
-                PartialLoadError,
-                check_checkpoint,
-                checkpoint_dtypes,
-                empty_model,
-            )
-
-            try:
-                if checkpoint_dtypes(spec.path) - {"F32", "I64", "I32", "BOOL"}:  # converted: load by part
-                    skeleton = empty_model(spec.path, **kwargs)
-                    check_checkpoint(skeleton, spec.path)
-                    return skeleton
-            except PartialLoadError as error:
-                if int(os.environ.get("RANK", "0")) == 0:
-                    print(f"loading the whole model on every rank: {error}", flush=True)
-        return AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+        with _missing_from_cache("model.path", spec.path):
+            return _load_pretrained(spec.path, kwargs, partial)
     values = dict(spec.config)
     model_type = values.pop("model_type", None)
     if model_type is None:
@@ -208,6 +206,29 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
         values.setdefault(key, getattr(tokenizer, key, None))
     hf_config = AutoConfig.for_model(model_type, **values)
     return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+
+
+def _load_pretrained(path: str, kwargs: dict[str, Any], partial: bool) -> nn.Module:
+    """``model.path``'s model: a meta-device skeleton to be read by part (see `load_model`), or whole."""
+    from transformers import AutoModelForCausalLM
+
+    if partial:
+        from pp_offload.models.loading import (
+            PartialLoadError,
+            check_checkpoint,
+            checkpoint_dtypes,
+            empty_model,
+        )
+
+        try:
+            if checkpoint_dtypes(path) - {"F32", "I64", "I32", "BOOL"}:  # converted: load by part
+                skeleton = empty_model(path, **kwargs)
+                check_checkpoint(skeleton, path)
+                return skeleton
+        except PartialLoadError as error:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"loading the whole model on every rank: {error}", flush=True)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
 @dataclass
