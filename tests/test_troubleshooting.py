@@ -73,10 +73,13 @@ def test_a_misspelt_schedule_name_gets_the_closest_one() -> None:
 def test_offline_mode_with_a_model_missing_from_the_cache_is_a_configuration_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import huggingface_hub.constants
+
     from pp_offload.recipe.config import ConfigError, load_config
     from pp_offload.recipe.parts import load_model, load_tokenizer
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what pp_offload.hub reads
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import by the hub client
     config = load_config(None, ["model.path=no-such-org/no-such-model-pp-offload"])
     missing = "model.path='no-such-org/no-such-model-pp-offload' is not a local path and not in your"
     with pytest.raises(ConfigError, match=missing):
