@@ -145,6 +145,17 @@ def test_every_docs_page_is_reachable_from_the_readme() -> None:
     assert not orphans, f"docs pages linked from neither README.md nor docs/index.md: {orphans}"
 
 
+@pytest.mark.parametrize("page", pages(), ids=[p.relative_to(ROOT).as_posix() for p in pages()])
+def test_no_python_block_escapes_the_runner(page: Path) -> None:
+    """An indented fence or a ```py / ```python3 tag would hide a block from the runner: refuse them."""
+    text = page.read_text()
+    fences = re.findall(r"^[ \t]*```(?:py|python|python3|pycon)[ \t]*$", text, flags=re.M)
+    assert len(fences) == len(blocks_of(page)), (
+        f"{page.relative_to(ROOT)}: a python block the runner does not see; open it with ```python at "
+        "the start of a line"
+    )
+
+
 def test_docs_blocks_are_discovered() -> None:
     """The conventions above are what the pages use: a guard against a fence regex that silently finds
     nothing (and so tests nothing)."""
