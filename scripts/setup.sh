@@ -16,7 +16,7 @@ if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]
 fi
 
 if [ -x .venv/bin/python ]; then
-    echo "setup: updating .venv (pyproject.toml changed; under a minute; pip's log: $LOG)"
+    echo "setup: updating .venv (new pyproject.toml or setup script; under a minute; pip's log: $LOG)"
 else
     echo "setup: creating .venv with torch $TORCH and pp-offload[hf,dev] (first run: about 2-3 min;" \
         "pip's log: $LOG)"
