@@ -4,8 +4,8 @@
     accelerate launch --config_file recipes/accelerate_cpu.yaml recipes/finetune.py \
         --config recipes/configs/tiny_llama.yaml
 
-Options: ``python recipes/finetune.py --help``; the configuration keys are documented in README.md
-(*Fine-tuning recipe*) and in ``pp_offload/recipe/config.py``.
+Options: ``python recipes/finetune.py --help``; the configuration keys are documented in docs/config.md
+(generated from ``pp_offload/recipe/config.py``) and the recipe in docs/recipe.md.
 """
 
 import sys

@@ -35,6 +35,23 @@ class DataConfig:
       assistant message (the response). Everything before the assistant's content (what the template renders
       for the user message alone with ``add_generation_prompt=True``) is masked; the rest of the rendering
       (the response and whatever the template closes the turn with) and the eos are learned.
+
+    Attributes:
+        path: ``embedded`` (the offline corpus), a hub dataset name, a `datasets` builder (``text``,
+            ``json``, ``parquet``, ``csv``) with ``data_files``, or a local file or directory.
+        data_files: The files of a builder (a path or a list of paths).
+        name: The hub dataset's configuration name.
+        split: The split to train on.
+        text_column: Plain language modelling: the column holding the text.
+        prompt_column: Supervised fine-tuning: the prompt's column (its tokens are masked from the loss).
+            Set together with ``response_column``.
+        response_column: Supervised fine-tuning: the response's column (learned, with an EOS after it).
+        prompt_template: A format string for the prompt: ``{prompt}`` and any other ``{column}``; quote it
+            in YAML. The formatted prompt, template text included, is masked.
+        chat_template: Format prompt and response with the tokenizer's chat template (masked up to the
+            assistant's content); not together with ``prompt_template``.
+        seq_len: Tokens per packed block (documents are packed, each followed by an EOS).
+        max_examples: Use only the first examples of the split; ``null``: all.
     """
 
     path: str = "embedded"

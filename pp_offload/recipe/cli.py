@@ -18,9 +18,32 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from pp_offload.models.families import UnsupportedModelError
 from pp_offload.recipe.config import ConfigError, load_config
 
-__all__ = ["main", "parser"]
+__all__ = ["failure_hint", "main", "parser"]
+
+OUT_OF_MEMORY_HINT = (
+    "out of memory. Each of these lowers a rank's peak: pipeline.offload=full (saved activations to host "
+    "memory), pipeline.schedule=ScheduleVMin (about 1/3 of 1F1B's activations) or schedule=auto with "
+    "pipeline.memory_limit, train.activation_checkpointing=true, a smaller data.seq_len or more "
+    "pipeline.microbatches (smaller microbatches), pipeline.dp > 1 (FSDP2 shards gradients and optimizer "
+    "state), train.precision=bf16. Under V placement rank 0 holds both the embedding and the LM head. "
+    "`pp-offload plan` estimates every stage's memory before a run."
+)
+MISSING_RANK_HINT = (
+    "not every rank joined within train.timeout_s. Start all WORLD_SIZE processes: torchrun "
+    "--nproc-per-node (times --nnodes, the same command on every node with the same --master-addr and "
+    "--master-port), or accelerate's num_processes / num_machines."
+)
+TIMEOUT_HINT = (
+    "a collective timed out (train.timeout_s): another rank is stuck or has died; its own error, if any, is "
+    "in its output. Raise train.timeout_s only if a rank legitimately needs longer between collectives."
+)
+PEER_EXITED_HINT = (
+    "another rank exited while this one waited for it: read that rank's own error. A rank with none was "
+    "killed: torchrun's summary then shows exitcode -9 (SIGKILL), often the system's out-of-memory killer."
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,6 +77,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def failure_hint(error: BaseException) -> str | None:
+    """What to do about a failure users commonly hit, or None: the traceback alone says more.
+
+    Why: an out-of-memory error or a timed-out collective names the allocation or the collective, not the
+    config keys that would avoid it."""
+    import torch
+
+    text = str(error)
+    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in text:
+        return OUT_OF_MEMORY_HINT
+    if "waiting for clients" in text:
+        return MISSING_RANK_HINT
+    if "timed out" in text.lower():
+        return TIMEOUT_HINT
+    if "connection closed by peer" in text.lower() or "connection reset by peer" in text.lower():
+        return PEER_EXITED_HINT
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     overrides = list(args.overrides)
@@ -69,12 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pp_offload.recipe.train import run
 
         result = run(config, progress=not args.no_progress)
-    except ConfigError as error:
+    except (ConfigError, UnsupportedModelError) as error:
         if rank == "0":
             print(f"finetune: configuration error: {error}", file=sys.stderr)
         return 2
-    except Exception:
-        print(f"finetune: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    except Exception as error:
+        hint = failure_hint(error)
+        hint = f"\nfinetune: rank {rank}: {hint}" if hint else ""
+        print(f"finetune: rank {rank} failed:\n{traceback.format_exc()}{hint}", file=sys.stderr, flush=True)
         return 1
     if rank == "0":
         where = f"; exported to {result.export_dir}" if result.export_dir else ""

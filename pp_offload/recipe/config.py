@@ -33,9 +33,19 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """The model: ``path`` (hub id or local directory) or ``config`` (a transformers config as a dict, with
-    ``model_type``: a randomly initialised model, e.g. the embedded tiny Llama). ``tokenizer`` defaults to
-    ``path``; with ``config`` and the embedded data it is the locally trained tokenizer."""
+    """The model to fine-tune: a pretrained one (``path``) or a randomly initialised one (``config``).
+
+    Attributes:
+        path: A hub id or a local directory of a pretrained model. Each pipeline rank reads only its own
+            stages' tensors from the safetensors shards (on the hub only the shards it needs are
+            downloaded).
+        config: Instead of ``path``: a transformers config as a mapping with ``model_type`` (a randomly
+            initialised model, e.g. the embedded tiny Llama). Entries can be overridden one by one:
+            ``--set model.config.num_hidden_layers=4``.
+        tokenizer: A hub id or local directory of the tokenizer. Default: ``path``; with ``config`` and the
+            embedded data, the tokenizer trained on the spot on the embedded corpus.
+        attn_implementation: Passed to transformers (``sdpa``, ``eager``, ...).
+    """
 
     path: str | None = None
     config: dict[str, Any] | None = None
@@ -47,26 +57,73 @@ class ModelConfig:
 class PipelineConfig:
     """How the model is pipelined: any of our schedules or torch's (see ``pp_offload.runtime.catalog``), or
     ``auto``: probe the real costs, then pick schedule and offload within the memory limit
-    (`pp_offload.recipe.auto`)."""
+    (`pp_offload.recipe.auto`).
+
+    Attributes:
+        schedule: The schedule class by name. Ours: ``ScheduleVHalf``, ``ScheduleVMin``, ``ScheduleVZB``,
+            ``ScheduleVAdaptive`` (with ``memory_limit``); torch's: ``ScheduleZBVZeroBubble``,
+            ``ScheduleDualPipeV``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+            ``ScheduleLoopedBFS``, ``Schedule1F1B``, ``ScheduleGPipe``; or ``auto`` (probe the costs, then
+            choose schedule and offload within ``memory_limit`` / ``activation_budget_gib``).
+        microbatches: Microbatches per step, per data-parallel replica; the global batch must split into
+            ``dp x microbatches``.
+        pp: Pipeline ranks. Default: the world size divided by ``dp``.
+        dp: Data-parallel replicas of the pipeline; above 1 each stage is sharded with FSDP2 over them.
+        dp_replicate: HSDP: of the ``dp`` ranks, groups that replicate (sharding within each group); must
+            divide ``dp``.
+        stages_per_rank: Loop schedules (torch's interleaved ones) only: stages each rank holds (default
+            2). V schedules always hold 2, single-stage schedules 1.
+        layers_per_stage: Decoder layers of each stage, one entry per stage. Default: balanced, with the
+            embedding and the LM head counted as work.
+        offload: Activation offload to host memory: ``none``, ``full``, ``selective`` (half the chunks),
+            ``selective:0.25`` (a fraction of the chunks) or ``auto`` (from the ratio of copy time to
+            compute time).
+        memory_limit: ``ScheduleVAdaptive`` or ``auto``: per-rank activation memory as a fraction of
+            1F1B's, in (0, 1].
+        activation_budget_gib: ``auto`` only: per-rank device-resident activation budget in GiB.
+        auto_probe_steps: ``auto`` only: probe steps timed before choosing (no weight is updated).
+        costs: Our schedules only: relative durations of a chunk's passes, ``{F: .., I: .., W: ..}`` (and
+            ``comm``, ``transfer``), for which the order is searched. Default: unit costs.
+    """
 
     schedule: str = "ScheduleVHalf"
     microbatches: int = 8
-    pp: int | None = None  # pipeline ranks; default: the world size (divided by dp)
-    dp: int = 1  # data-parallel replicas of the pipeline; > 1 shards each stage with FSDP2 over them
-    dp_replicate: int = 1  # HSDP: of the dp ranks, groups that replicate (shard within each group)
-    stages_per_rank: int | None = None  # loop schedules only (default 2)
+    pp: int | None = None
+    dp: int = 1
+    dp_replicate: int = 1
+    stages_per_rank: int | None = None
     layers_per_stage: list[int] | None = None
     offload: Any = "none"
-    # ScheduleVAdaptive or auto: per-rank activation memory as a fraction of 1F1B's, in (0, 1]
     memory_limit: float | None = None
-    activation_budget_gib: float | None = None  # auto: per-rank device-resident activation budget
-    auto_probe_steps: int = 2  # auto: probe steps timed before choosing (no weight update)
-    costs: dict[str, float] | None = None  # relative F/I/W durations for our schedules
+    activation_budget_gib: float | None = None
+    auto_probe_steps: int = 2
+    costs: dict[str, float] | None = None
 
 
 @dataclass
 class TrainConfig:
-    """Optimisation: AdamW, linear warm-up then cosine (or constant) decay, clipping by the global norm."""
+    """Optimisation: AdamW, linear warm-up then cosine (or constant) decay, clipping by the global norm.
+
+    Attributes:
+        steps: Optimizer steps of the whole run (a resumed run continues up to this count).
+        global_batch_size: Sequences per step over all data-parallel replicas.
+        lr: Peak learning rate, reached after ``warmup_steps``.
+        min_lr_ratio: The cosine schedule decays to ``lr * min_lr_ratio``.
+        warmup_steps: Steps of linear warm-up from 0 to ``lr``.
+        lr_schedule: ``cosine`` or ``constant`` after the warm-up.
+        weight_decay: AdamW's weight decay.
+        betas: AdamW's betas.
+        max_grad_norm: Clip gradients to this norm, computed over all pipeline and data-parallel ranks
+            (each gradient counted once); ``null``: no clipping.
+        precision: ``fp32`` or ``bf16`` (autocast; FSDP's bf16 policy when ``dp > 1``; master weights
+            stay fp32).
+        activation_checkpointing: Recompute each decoder layer in backward (composes with offload: a
+            recomputed layer saves only its input).
+        seed: Seed of the weights' initialisation and of the batch order.
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+        timeout_s: Collective timeout in seconds: a stuck or missing rank fails the job instead of
+            hanging it.
+    """
 
     steps: int = 40
     global_batch_size: int = 16
@@ -77,31 +134,51 @@ class TrainConfig:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float | None = 1.0
-    precision: str = "fp32"  # fp32 | bf16 (autocast, or FSDP's bf16 policy when dp > 1; fp32 master weights)
-    activation_checkpointing: bool = False  # recompute each decoder layer in backward (composes with offload)
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
-    timeout_s: float = 600.0  # collective timeout: a stuck rank fails the job instead of hanging it
+    device: str = "auto"
+    timeout_s: float = 600.0
 
 
 @dataclass
 class OutputConfig:
-    """Where results go: checkpoints (torch.distributed.checkpoint), the HF export, metrics."""
+    """Where results go: checkpoints (torch.distributed.checkpoint), the HF export, metrics.
+
+    Attributes:
+        dir: The run's directory: ``metrics.csv``, ``summary.json``, ``checkpoints/``, ``export/``.
+        save_every: Steps between checkpoints; 0: only at the end.
+        keep: Checkpoints kept; older ones are deleted only after a new one is complete.
+        resume: Continue from ``dir/checkpoints/latest`` when there is one (same as ``--resume``).
+        export: Write a Hugging Face model (safetensors shards, config, tokenizer) to ``dir/export`` at the
+            end.
+        log_every: Steps between log lines.
+        metrics: Metric writers: ``csv`` and/or ``tensorboard`` (if installed).
+        timeline: Record the second step: ``timeline.png`` (predicted vs realized) and ``trace.json``.
+    """
 
     dir: str = "runs/finetune"
-    save_every: int = 0  # steps between checkpoints; 0: only at the end
-    keep: int = 2  # checkpoints kept (older ones are deleted after a new one is complete)
-    resume: bool = False  # continue from dir/checkpoints/latest when there is one
-    export: bool = True  # write an HF model (safetensors + config + tokenizer) to dir/export at the end
+    save_every: int = 0
+    keep: int = 2
+    resume: bool = False
+    export: bool = True
     log_every: int = 1
-    metrics: list[str] = field(default_factory=lambda: ["csv"])  # csv and/or tensorboard
-    timeline: bool = True  # record the second step: timeline.png (predicted vs realized) and trace.json
+    metrics: list[str] = field(default_factory=lambda: ["csv"])
+    timeline: bool = True
 
 
 @dataclass
 class RecipeConfig:
     """The whole recipe configuration (YAML sections ``model``, ``data``, ``pipeline``, ``train``,
-    ``output``)."""
+    ``output``).
+
+    Attributes:
+        model: The model to fine-tune (`ModelConfig`).
+        data: The training data (`pp_offload.data.DataConfig`).
+        pipeline: Schedule, pipeline and data-parallel sizes, offload (`PipelineConfig`).
+        train: Optimisation (`TrainConfig`).
+        output: Checkpoints, export and metrics (`OutputConfig`).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

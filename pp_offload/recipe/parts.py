@@ -7,9 +7,11 @@ ranks waiting in a collective for a rank that already died.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,7 +153,28 @@ def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None) -> Any
                 "no tokenizer: set model.tokenizer (or model.path) when the data is not the embedded corpus"
             )
         source = str(embedded_tokenizer)
-    return AutoTokenizer.from_pretrained(source)
+    key = "model.tokenizer" if config.model.tokenizer else "model.path"
+    with _missing_from_cache(key, source):
+        return AutoTokenizer.from_pretrained(source)
+
+
+@contextlib.contextmanager
+def _missing_from_cache(key: str, value: str) -> Iterator[None]:
+    """Offline, transformers reports a hub id missing from the cache as a failed connection, with a
+    traceback on every rank: say which key names it and what to do, as a configuration error."""
+    from pp_offload.hub import offline_mode
+
+    try:
+        yield
+    except OSError as error:
+        if not offline_mode() or Path(value).exists():
+            raise
+        raise ConfigError(
+            f"{key}={value!r} is not a local path and not in your Hugging Face cache, and offline mode "
+            f"(HF_HUB_OFFLINE) forbids downloading it: download it first (`hf download {value}` where the "
+            f"hub is reachable) and give its directory, or unset HF_HUB_OFFLINE (transformers: "
+            f"{str(error).splitlines()[0] if str(error) else type(error).__name__})"
+        ) from error
 
 
 def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -> nn.Module:
@@ -172,23 +195,8 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
     torch.manual_seed(config.train.seed)
     kwargs = {"attn_implementation": spec.attn_implementation, "dtype": torch.float32}
     if spec.path is not None:
-        if partial:
-            from pp_offload.models.loading import (
-                PartialLoadError,
-                check_checkpoint,
-                checkpoint_dtypes,
-                empty_model,
-            )
-
-            try:
-                if checkpoint_dtypes(spec.path) - {"F32", "I64", "I32", "BOOL"}:  # converted: load by part
-                    skeleton = empty_model(spec.path, **kwargs)
-                    check_checkpoint(skeleton, spec.path)
-                    return skeleton
-            except PartialLoadError as error:
-                if int(os.environ.get("RANK", "0")) == 0:
-                    print(f"loading the whole model on every rank: {error}", flush=True)
-        return AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+        with _missing_from_cache("model.path", spec.path):
+            return _load_pretrained(spec.path, kwargs, partial)
     values = dict(spec.config)
     model_type = values.pop("model_type", None)
     if model_type is None:
@@ -198,6 +206,29 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
         values.setdefault(key, getattr(tokenizer, key, None))
     hf_config = AutoConfig.for_model(model_type, **values)
     return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+
+
+def _load_pretrained(path: str, kwargs: dict[str, Any], partial: bool) -> nn.Module:
+    """``model.path``'s model: a meta-device skeleton to be read by part (see `load_model`), or whole."""
+    from transformers import AutoModelForCausalLM
+
+    if partial:
+        from pp_offload.models.loading import (
+            PartialLoadError,
+            check_checkpoint,
+            checkpoint_dtypes,
+            empty_model,
+        )
+
+        try:
+            if checkpoint_dtypes(path) - {"F32", "I64", "I32", "BOOL"}:  # converted: load by part
+                skeleton = empty_model(path, **kwargs)
+                check_checkpoint(skeleton, path)
+                return skeleton
+        except PartialLoadError as error:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"loading the whole model on every rank: {error}", flush=True)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
 @dataclass
@@ -289,9 +320,12 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
         spec = config.pipeline
     try:
         info = schedule_info(spec.schedule)
+    except ValueError as error:
+        raise ConfigError(f"pipeline.schedule: {error}") from error
+    try:
         per_rank = info.stages_per_rank(spec.stages_per_rank)
     except ValueError as error:
-        raise ConfigError(f"pipeline.schedule / pipeline.stages_per_rank: {error}") from error
+        raise ConfigError(f"pipeline.stages_per_rank: {error}") from error
     num_stages = topo.pp * per_rank
     if spec.microbatches < 1:
         raise ConfigError(f"pipeline.microbatches must be >= 1, got {spec.microbatches}")
@@ -320,8 +354,8 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
     if num_layers is not None and num_layers < num_stages:
         raise ConfigError(
             f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
-            f"({topo.pp} ranks x {per_rank} stages per rank for {info.name}): use fewer pipeline ranks, "
-            "a V schedule or fewer stages per rank, or a model with more layers"
+            f"({topo.pp} ranks x {per_rank} stages per rank for {info.name}): "
+            + _fewer_stages_fix(info, num_layers)
         )
     if spec.layers_per_stage is not None and len(spec.layers_per_stage) != num_stages:
         raise ConfigError(
@@ -334,6 +368,19 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
             "ScheduleVHalf or ScheduleInterleaved1F1B"
         )
     return info
+
+
+def _fewer_stages_fix(info: ScheduleInfo, num_layers: int) -> str:
+    """What to change when the model has fewer layers than stages, for this schedule's placement."""
+    if info.placement == "v" and num_layers >= 2:
+        ranks = num_layers // 2
+        return (
+            f"use at most {ranks} pipeline rank{'s' if ranks > 1 else ''} (a V schedule holds 2 stages per "
+            "rank), or a model with more layers"
+        )
+    if info.placement == "loop":
+        return "set fewer pipeline.stages_per_rank, use fewer pipeline ranks, or a model with more layers"
+    return f"use at most {num_layers} pipeline ranks (one stage each), or a model with more layers"
 
 
 def _check_auto(spec: Any) -> None:

@@ -8,6 +8,7 @@ model split, the recipe and the planner agree, and an unknown name fails at once
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -95,8 +96,10 @@ def schedule_info(name: str | type) -> ScheduleInfo:
         name = name.__name__
     info = _BY_KEY.get(_key(str(name)))
     if info is None:
-        known = ", ".join(schedule_names())
-        raise UnknownScheduleError(f"unknown schedule {name!r}; known schedules: {known}")
+        names = schedule_names()
+        close = difflib.get_close_matches(str(name), names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UnknownScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(names)}{hint}")
     return info
 
 

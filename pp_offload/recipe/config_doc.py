@@ -1,0 +1,186 @@
+"""The recipe's config key reference, rendered from the config dataclasses' docstrings.
+
+Why: a hand-written key table drifts from the code the first time someone adds a field. Here the one source
+is each dataclass's Google-style ``Attributes:`` section (one ``name: text`` entry per field, continuation
+lines indented further); ``docs/config.md`` is generated from it, and a test fails when the page is stale or
+a field has no entry. Regenerate with ``python -m pp_offload.recipe.config_doc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from pp_offload.recipe.config import RecipeConfig
+
+__all__ = ["DOC_PATH", "REGENERATE", "attribute_docs", "missing_docs", "render", "sections"]
+
+#: Where the generated page lives, relative to the repository root.
+DOC_PATH = Path("docs") / "config.md"
+REGENERATE = "python -m pp_offload.recipe.config_doc"
+
+_HEADER = f"""# Config keys
+
+<!-- Generated from the docstrings of pp_offload/recipe/config.py and pp_offload/data/config.py by
+`{REGENERATE}`: edit the dataclasses' `Attributes:` sections, not this page. -->
+
+Every key of the recipe's YAML config, by section, with its default. Every section and key is checked: a
+typo is an error naming the closest valid key. `--set section.key=value` overrides any key (the value is
+read as YAML: `3` is an int, `[csv, tensorboard]` a list, `null` None), and a key holding a mapping
+(`model.config`, `pipeline.costs`) can be reached into at any depth, changing one entry and keeping the
+rest: `--set model.config.num_hidden_layers=4 --set model.config.rope_scaling.factor=8`.
+See [recipe.md](recipe.md) for what the recipe does with them.
+"""
+
+_ENTRY = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*): ?(?P<text>.*)$")
+
+
+def _split_doc(cls: type) -> tuple[str, list[str]]:
+    """The docstring before ``Attributes:`` and the lines of the section itself (dedented)."""
+    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Attributes:")
+    except StopIteration:
+        return "\n".join(lines).strip(), []
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    body: list[str] = []
+    for line in lines[start + 1 :]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        body.append(line)
+    return "\n".join(lines[:start]).strip(), body
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """``{field name: text}`` from ``cls``'s ``Attributes:`` section, continuation lines joined."""
+    _, body = _split_doc(cls)
+    entries: dict[str, str] = {}
+    entry_indent: int | None = None
+    current: str | None = None
+    for line in body:
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if entry_indent is None:
+            entry_indent = indent
+        match = _ENTRY.match(line.strip())
+        if indent == entry_indent and match:
+            current = match["name"]
+            entries[current] = match["text"].strip()
+        elif indent > entry_indent and current is not None:
+            entries[current] = f"{entries[current]} {line.strip()}".strip()
+        else:
+            raise ValueError(
+                f"{cls.__name__}'s Attributes: section has a line that is neither 'name: text' nor an "
+                f"indented continuation: {line.strip()!r}"
+            )
+    return entries
+
+
+def sections() -> list[tuple[str, type]]:
+    """The YAML sections in order, with their dataclass (from `RecipeConfig`'s fields), so a section added
+    there is documented here without a change."""
+    found = []
+    for f in dataclasses.fields(RecipeConfig):
+        cls = f.default_factory
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise TypeError(f"RecipeConfig.{f.name} must be a section dataclass with a default_factory")
+        found.append((f.name, cls))
+    return found
+
+
+def missing_docs(of: list[tuple[str, type]] | None = None) -> list[str]:
+    """Fields without an ``Attributes:`` entry, and entries naming no field (``section.key: why``), over
+    ``of`` (``(section, dataclass)`` pairs; default: the recipe's sections)."""
+    problems: list[str] = []
+    if of is None:  # the sections themselves are documented in RecipeConfig's docstring
+        of = [("recipe", RecipeConfig), *sections()]
+    for section, cls in of:
+        docs = attribute_docs(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        for name in names:
+            if name not in docs:
+                problems.append(f"{section}.{name}: no entry in {cls.__name__}'s Attributes: section")
+        for name in docs:
+            if name not in names:
+                problems.append(f"{section}.{name}: documented but {cls.__name__} has no such field")
+    return problems
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _yaml(value: Any) -> str:
+    """A default as it would be written in the YAML config."""
+    if value is dataclasses.MISSING:
+        return "(required)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _markdown(text: str) -> str:
+    """reST-style ``literal`` to markdown `literal`; pipes escaped for a table cell."""
+    return re.sub(r"``(.+?)``", r"`\1`", text).replace("|", "\\|")
+
+
+def render() -> str:
+    """The whole ``docs/config.md`` page."""
+    parts = [_HEADER]
+    for section, cls in sections():
+        summary, _ = _split_doc(cls)
+        docs = attribute_docs(cls)
+        parts.append(f"## `{section}`\n")
+        parts.append(re.sub(r"``(.+?)``", r"`\1`", summary) + "\n")
+        parts.append("| key | default | type | meaning |\n|---|---|---|---|")
+        for f in dataclasses.fields(cls):
+            default = _yaml(_default(f)).replace("|", "\\|")
+            kind = str(f.type).replace("|", "\\|")
+            parts.append(
+                f"| `{section}.{f.name}` | `{default}` | `{kind}` | {_markdown(docs.get(f.name, ''))} |"
+            )
+        parts.append("")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=REGENERATE, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path.cwd(), help="repository root (default: cwd)")
+    parser.add_argument("--check", action="store_true", help="fail if the page is stale; write nothing")
+    args = parser.parse_args(argv)
+    problems = missing_docs()
+    if problems:
+        print("config fields without documentation:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    path = args.root / DOC_PATH
+    text = render()
+    if args.check:
+        if not path.is_file() or path.read_text() != text:
+            print(f"{path} is out of date: regenerate with `{REGENERATE}`", file=sys.stderr)
+            return 1
+        print(f"{path} is up to date")
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

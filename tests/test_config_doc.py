@@ -1,0 +1,65 @@
+"""docs/config.md is generated from the config dataclasses' docstrings, and every field is documented."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pp_offload.recipe.config_doc import DOC_PATH, REGENERATE, attribute_docs, missing_docs, render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_config_field_has_a_doc_entry() -> None:
+    assert missing_docs() == []
+
+
+def test_docs_config_page_is_up_to_date() -> None:
+    page = ROOT / DOC_PATH
+    stale = f"{DOC_PATH} is out of date: regenerate with `{REGENERATE}`"
+    assert page.is_file() and page.read_text() == render(), stale
+
+
+@dataclass
+class _Toy:
+    """A toy section.
+
+    Attributes:
+        alpha: First line
+            continued here.
+        beta: One line.
+    """
+
+    alpha: int = 1
+    beta: str = "x"
+    gamma: bool = False
+
+
+def test_attribute_entries_join_continuation_lines_and_missing_fields_are_named() -> None:
+    assert attribute_docs(_Toy) == {"alpha": "First line continued here.", "beta": "One line."}
+    assert missing_docs([("toy", _Toy)]) == ["toy.gamma: no entry in _Toy's Attributes: section"]
+
+
+def test_a_malformed_attributes_line_is_an_error() -> None:
+    @dataclass
+    class Bad:
+        """Bad.
+
+        Attributes:
+            alpha: fine.
+          stray text at a smaller indent
+        """
+
+        alpha: int = 0
+
+    with pytest.raises(ValueError, match="neither 'name: text'"):
+        attribute_docs(Bad)
+
+
+def test_rendered_page_lists_every_key_with_its_default() -> None:
+    text = render()
+    assert "| `pipeline.schedule` | `ScheduleVHalf` |" in text
+    assert "| `train.betas` | `[0.9, 0.95]` |" in text
+    assert "| `data.seq_len` | `128` |" in text
