@@ -18,6 +18,7 @@ from pp_offload.data import DataConfig, DataError
 
 __all__ = [
     "ConfigError",
+    "LoraConfig",
     "ModelConfig",
     "OutputConfig",
     "PipelineConfig",
@@ -82,6 +83,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     timeout_s: float = 600.0  # collective timeout: a stuck rank fails the job instead of hanging it
+    eval_every: int = 0  # steps between evaluations on the held-out data; 0: only the final one
+    eval_batches: int | None = None  # held-out global batches per evaluation; None: all of them
 
 
 @dataclass
@@ -99,15 +102,37 @@ class OutputConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA fine-tuning with peft: adapters on the base model's projections, everything else frozen.
+
+    Attributes:
+        r: Rank of each adapter (``lora_A`` is r x in, ``lora_B`` out x r).
+        alpha: Scale of the adapter's update: the update is multiplied by ``alpha / r``.
+        dropout: Dropout on the adapter's input (peft's ``lora_dropout``); 0 disables it.
+        target_modules: Module names peft adapts (``q_proj`` matches every layer's); default: every
+            linear projection of the decoder layers (attention and MLP).
+        merge: Also write ``<output.dir>/merged``: the base model with the adapter folded into its
+            weights, loadable by ``AutoModelForCausalLM.from_pretrained``.
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    merge: bool = False
+
+
+@dataclass
 class RecipeConfig:
     """The whole recipe configuration (YAML sections ``model``, ``data``, ``pipeline``, ``train``,
-    ``output``)."""
+    ``output``, and ``lora`` for LoRA fine-tuning)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    lora: LoraConfig | None = None  # a ``lora:`` section (even empty) turns LoRA on
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -133,6 +158,7 @@ def _section_class(section: str) -> type:
         "pipeline": PipelineConfig,
         "train": TrainConfig,
         "output": OutputConfig,
+        "lora": LoraConfig,
     }[section]
 
 

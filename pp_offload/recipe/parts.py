@@ -163,12 +163,37 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
     `build_pipeline` reads only the rank's own tensors (`pp_offload.models.loading`: an fp32 checkpoint
     is memory-mapped by ``from_pretrained`` and costs no more); when the checkpoint cannot be read by part
     (no safetensors, names that do not match), the whole model is loaded, as without ``partial``.
+    With a ``lora`` section the model comes back wrapped in a peft ``PeftModel`` and is always loaded
+    whole (LoRA layers rename the base weights the by-part loader looks up).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     spec = config.model
     if (spec.path is None) == (spec.config is None):
         raise ConfigError("set exactly one of model.path (hub id or local dir) and model.config (a dict)")
+    if config.lora is not None:
+        return _with_lora(config, _load_model(config, tokenizer, partial=False))
+    return _load_model(config, tokenizer, partial=partial)
+
+
+def _with_lora(config: RecipeConfig, model: nn.Module) -> nn.Module:
+    """``model`` wrapped by peft with the ``lora`` section's adapter (the same on every rank: seeded)."""
+    from pp_offload.models.families import UnsupportedModelError
+    from pp_offload.models.lora import LoraError, apply_lora
+
+    lora = config.lora
+    assert lora is not None
+    torch.manual_seed(config.train.seed + 1)  # adapter init: the same on every rank and on resume
+    try:
+        return apply_lora(
+            model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
+        )
+    except (LoraError, UnsupportedModelError) as error:
+        raise ConfigError(f"lora: {error}") from error
+
+
+def _load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = config.model
     torch.manual_seed(config.train.seed)
     kwargs = {"attn_implementation": spec.attn_implementation, "dtype": torch.float32}
     if spec.path is not None:
@@ -258,8 +283,8 @@ class _TiedAcrossRanks:
             self.is_copy = True
 
     def sync_grads(self) -> None:
-        if self.group is None or self.weight is None:
-            return
+        if self.group is None or self.weight is None or not self.weight.requires_grad:
+            return  # a frozen embedding (LoRA) has no gradient to share
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
         grad = self.weight.grad

@@ -1,0 +1,130 @@
+"""Evaluation through the pipeline and LoRA fine-tuning: pipelined runs on gloo ranks equal one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_on_ranks
+
+from pp_offload.recipe import RecipeConfig
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+}
+REL, ABS = 1e-5, 1e-6  # fp32, one or two steps: only summation order differs
+
+
+def _config(
+    out: Path, *, schedule: str = "ScheduleVHalf", steps: int = 2, lora: dict | None = None, **extra
+) -> dict:
+    config = {
+        "model": {"config": LLAMA},
+        "data": {"path": "embedded", "seq_len": 32, "max_examples": 400, "eval_split": "validation"},
+        "pipeline": {"schedule": schedule, "microbatches": 4},
+        "train": {"steps": steps, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 1, "eval_batches": 2},
+        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False, "timeline": False},
+    }
+    if lora is not None:
+        config["lora"] = dict(lora)
+    for key, value in extra.items():
+        section, name = key.split("__")
+        config[section][name] = value
+    return config
+
+
+def _run(config: dict, cache: str) -> dict:
+    from pp_offload.recipe.train import run
+
+    result = run(RecipeConfig.from_dict(config), cache_dir=cache, progress=False)
+    return {"losses": result.losses, "norms": result.grad_norms, "evals": result.evals}
+
+
+def _worker(rank: int, world: int, configs: list[dict], cache: str) -> list[dict]:
+    return [_run(config, cache) for config in configs]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("eval_lora_cache"))
+
+
+def _close(got: list[float], want: list[float], rtol: float = REL, atol: float = ABS) -> None:
+    assert len(got) == len(want) and got
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=atol)
+
+
+def _eval_losses(result: dict) -> list[float]:
+    return [e["loss"] for e in result["evals"]]
+
+
+LORA = {"r": 4, "alpha": 8.0, "target_modules": None}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_pipelined_lora_and_eval_match_one_process(tmp_path: Path, cache: str) -> None:
+    """One 2-rank spawn: LoRA under V-Half (with a resume after step 1), LoRA under ZBV with full offload,
+    and full fine-tuning with evaluation: losses, adapter gradient norms and evaluation losses equal one
+    process; the adapter export reloads with peft, the merged export with transformers."""
+    lora_full = _config(tmp_path / "lora", lora=dict(LORA, merge=True), train__eval_every=1)
+    first = _config(tmp_path / "resumed", steps=1, lora=LORA, output__save_every=1)
+    resumed = _config(tmp_path / "resumed", lora=LORA, output__resume=True)
+    zbv = _config(tmp_path / "zbv", schedule="ScheduleZBVZeroBubble", lora=LORA, pipeline__offload="full")
+    full_ft = _config(tmp_path / "full", train__eval_every=1)
+    configs = [lora_full, first, resumed, zbv, full_ft]
+    for c in configs[:1]:
+        c["output"]["export"] = True
+    results = run_on_ranks(_worker, 2, configs, cache, timeout=300)
+    assert results[0] == results[1]  # every rank reports the same losses and evaluations
+    lora, head, tail, zbv_run, full_run = results[0]
+
+    ref_lora = _run(_config(tmp_path / "ref_lora", lora=LORA, train__eval_every=1), cache)
+    ref_full = _run(_config(tmp_path / "ref_full", train__eval_every=1), cache)
+    for got, want in ((lora, ref_lora), (zbv_run, ref_lora), (full_run, ref_full)):
+        _close(got["losses"], want["losses"])
+        _close(got["norms"], want["norms"])
+    _close(_eval_losses(lora), _eval_losses(ref_lora))
+    _close(_eval_losses(full_run), _eval_losses(ref_full))
+    assert [e["step"] for e in lora["evals"]] == [1, 2]
+    assert lora["losses"] != full_run["losses"]  # LoRA trains something else than all weights
+    _close(head["losses"] + tail["losses"], lora["losses"])  # resumed from the adapter checkpoint
+
+    summary = json.loads((tmp_path / "lora" / "summary.json").read_text())
+    assert summary["final_eval"]["loss"] == lora["evals"][-1]["loss"]
+    assert summary["final_eval"]["perplexity"] > 1
+    _check_exports(tmp_path / "lora")
+
+
+def _check_exports(out: Path) -> None:
+    """The exported adapter and the merged model reproduce the trained model: the seed's base model with
+    the checkpoint's adapters (the checkpoint holds only those)."""
+    import copy
+
+    from peft import PeftModel
+    from torch.distributed.checkpoint import load
+    from transformers import AutoModelForCausalLM
+
+    from pp_offload.models.lora import apply_lora
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    torch.manual_seed(0)  # train.seed: the recipe's base model
+    base = AutoModelForCausalLM.from_config(merged.config).eval()
+    trained = apply_lora(copy.deepcopy(base), r=4, alpha=8.0).eval()
+    adapters = {k: v for k, v in trained.get_base_model().state_dict().items() if ".lora_" in k}
+    load({"model": adapters}, checkpoint_id=str(out / "checkpoints" / "step_00000002"))
+    trained.get_base_model().load_state_dict(adapters, strict=False)
+    loaded = PeftModel.from_pretrained(copy.deepcopy(base), out / "export").eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        assert not torch.allclose(base(ids).logits, want)  # the adapters were trained
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=0)
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
