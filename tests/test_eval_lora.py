@@ -128,3 +128,68 @@ def _check_exports(out: Path) -> None:
         assert not torch.allclose(base(ids).logits, want)  # the adapters were trained
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=0)
         torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- bad input fails before training
+
+
+def _tiny_llama():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = {k: v for k, v in LLAMA.items() if k != "model_type"}
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=64, **values))
+
+
+def test_lora_targets_default_to_the_layers_projections_and_typos_fail() -> None:
+    from pp_offload.models.lora import LoraError, apply_lora, default_target_modules
+
+    model = _tiny_llama()
+    assert default_target_modules(model) == [
+        "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"
+    ]  # fmt: skip
+    with pytest.raises(LoraError, match=r"\['qproj'\] not found in LlamaForCausalLM.*q_proj"):
+        apply_lora(model, target_modules=["q_proj", "qproj"])
+    with pytest.raises(LoraError, match="lora.r=0"):
+        apply_lora(model, r=0)
+    peft_model = apply_lora(model, r=2, target_modules=["q_proj"])
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n and "q_proj" in n for n in trainable)
+    from pp_offload.models import split_model
+
+    split = split_model(peft_model, num_stages=2, stage_indices=[1])  # split under the wrapper
+    names = [n for n, _ in split.module.named_parameters()]
+    assert "model.layers.3.self_attn.q_proj.lora_A.default.weight" in names
+    assert not any(n.startswith("base_model.") for n in names)
+
+
+def test_lora_on_a_model_that_cannot_be_pipelined_is_refused() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pp_offload.models import UnsupportedModelError
+    from pp_offload.models.lora import apply_lora
+
+    config = AutoConfig.for_model(
+        "bert", hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        vocab_size=64, is_decoder=True,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="no base_model_pp_plan"):
+        apply_lora(AutoModelForCausalLM.from_config(config))
+
+
+def test_recipe_rejects_bad_lora_and_eval_settings(tmp_path: Path, cache: str) -> None:
+    from pp_offload.data import DataError
+    from pp_offload.recipe import ConfigError
+    from pp_offload.recipe.train import run
+
+    def fails(config: dict, match: str) -> None:
+        with pytest.raises(ConfigError, match=match):
+            run(RecipeConfig.from_dict(config), cache_dir=cache, progress=False)
+
+    no_eval = _config(tmp_path / "a", train__eval_every=5)
+    del no_eval["data"]["eval_split"]
+    fails(no_eval, "need held-out data: set data.eval_split")
+    fails(_config(tmp_path / "b", data__eval_split="test"), r"evaluation data.*Unknown split \"test\"")
+    fails(_config(tmp_path / "c", lora={"target_modules": ["q_prj"]}), r"lora: .*\['q_prj'\] not found")
+    with pytest.raises(ConfigError, match="is the training split"):
+        RecipeConfig.from_dict(_config(tmp_path / "d", data__eval_split="train"))
+    assert issubclass(ConfigError, ValueError) and issubclass(DataError, ValueError)
