@@ -69,38 +69,70 @@ def _eval_losses(result: dict) -> list[float]:
 LORA = {"r": 4, "alpha": 8.0, "target_modules": None}
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, cache: str) -> dict:
+    """LoRA in one process (the unsplit peft model), evaluated after each step."""
+    out = tmp_path_factory.mktemp("reference")
+    return _run(_config(out, lora=LORA, train__eval_every=1), cache)
+
+
+def _matches(got: dict, want: dict) -> None:
+    _close(got["losses"], want["losses"])
+    _close(got["norms"], want["norms"])  # the norm over every rank's adapter gradients, nothing else
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_pipelined_lora_and_eval_match_one_process(tmp_path: Path, cache: str) -> None:
-    """One 2-rank spawn: LoRA under V-Half (with a resume after step 1), LoRA under ZBV with full offload,
-    and full fine-tuning with evaluation: losses, adapter gradient norms and evaluation losses equal one
-    process; the adapter export reloads with peft, the merged export with transformers."""
-    lora_full = _config(tmp_path / "lora", lora=dict(LORA, merge=True), train__eval_every=1)
+def test_pipelined_lora_and_eval_match_one_process(tmp_path: Path, cache: str, reference: dict) -> None:
+    """One 2-rank spawn: LoRA under V-Half (evaluated after each step, exported as adapter and merged),
+    the same stopped after step 1 and resumed, and LoRA under ZBV with full offload: losses, adapter
+    gradient norms and evaluation losses equal one process; the exports reproduce the trained model."""
+    lora_full = _config(
+        tmp_path / "lora", lora=dict(LORA, merge=True), train__eval_every=1, output__export=True
+    )
     first = _config(tmp_path / "resumed", steps=1, lora=LORA, output__save_every=1)
     resumed = _config(tmp_path / "resumed", lora=LORA, output__resume=True)
     zbv = _config(tmp_path / "zbv", schedule="ScheduleZBVZeroBubble", lora=LORA, pipeline__offload="full")
-    full_ft = _config(tmp_path / "full", train__eval_every=1)
-    configs = [lora_full, first, resumed, zbv, full_ft]
-    for c in configs[:1]:
-        c["output"]["export"] = True
-    results = run_on_ranks(_worker, 2, configs, cache, timeout=300)
+    results = run_on_ranks(_worker, 2, [lora_full, first, resumed, zbv], cache, timeout=300)
     assert results[0] == results[1]  # every rank reports the same losses and evaluations
-    lora, head, tail, zbv_run, full_run = results[0]
-
-    ref_lora = _run(_config(tmp_path / "ref_lora", lora=LORA, train__eval_every=1), cache)
-    ref_full = _run(_config(tmp_path / "ref_full", train__eval_every=1), cache)
-    for got, want in ((lora, ref_lora), (zbv_run, ref_lora), (full_run, ref_full)):
-        _close(got["losses"], want["losses"])
-        _close(got["norms"], want["norms"])
-    _close(_eval_losses(lora), _eval_losses(ref_lora))
-    _close(_eval_losses(full_run), _eval_losses(ref_full))
-    assert [e["step"] for e in lora["evals"]] == [1, 2]
-    assert lora["losses"] != full_run["losses"]  # LoRA trains something else than all weights
-    _close(head["losses"] + tail["losses"], lora["losses"])  # resumed from the adapter checkpoint
+    lora, head, tail, zbv_run = results[0]
+    _matches(lora, reference)
+    _matches(zbv_run, reference)
+    _close(_eval_losses(lora), _eval_losses(reference))  # through the pipeline == one process
+    assert [e["step"] for e in lora["evals"]] == [1, 2] and zbv_run["evals"][0]["step"] == 2
+    _close(head["losses"] + tail["losses"], lora["losses"])  # resumed from the adapter-only checkpoint
 
     summary = json.loads((tmp_path / "lora" / "summary.json").read_text())
-    assert summary["final_eval"]["loss"] == lora["evals"][-1]["loss"]
-    assert summary["final_eval"]["perplexity"] > 1
+    assert summary["final_eval"] == lora["evals"][-1] and summary["final_eval"]["perplexity"] > 1
+    assert (tmp_path / "lora" / "eval.csv").read_text().count("\n") == 3  # header + 2 evaluations
     _check_exports(tmp_path / "lora")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_lora_pp2_dp2_matches_one_process(tmp_path: Path, cache: str, reference: dict) -> None:
+    """4 ranks, 2 pipeline ranks x 2 FSDP replicas sharding stages whose base weights are frozen: V-Half
+    with both exports (gathered from the shards) and Interleaved1F1B with offload and activation
+    checkpointing equal one process."""
+    vhalf = _config(
+        tmp_path / "vhalf",
+        lora=dict(LORA, merge=True),
+        pipeline__dp=2,
+        train__eval_every=1,
+        output__export=True,
+    )
+    loop = _config(
+        tmp_path / "loop",
+        schedule="ScheduleInterleaved1F1B",
+        lora=LORA,
+        pipeline__dp=2,
+        pipeline__offload="full",
+        train__activation_checkpointing=True,
+    )
+    results = run_on_ranks(_worker, 4, [vhalf, loop], cache, timeout=400)
+    assert all(r == results[0] for r in results)
+    for got in results[0]:
+        _matches(got, reference)
+    _close(_eval_losses(results[0][0]), _eval_losses(reference))
+    _check_exports(tmp_path / "vhalf")
 
 
 def _check_exports(out: Path) -> None:
