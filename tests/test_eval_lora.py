@@ -225,3 +225,37 @@ def test_recipe_rejects_bad_lora_and_eval_settings(tmp_path: Path, cache: str) -
     with pytest.raises(ConfigError, match="is the training split"):
         RecipeConfig.from_dict(_config(tmp_path / "d", data__eval_split="train"))
     assert issubclass(ConfigError, ValueError) and issubclass(DataError, ValueError)
+
+
+# ---------------------------------------------------------------- the planner knows LoRA
+
+
+def test_planner_lora_state_and_weight_pass_match_a_real_lora_model() -> None:
+    """Parameters, gradients and AdamW state of a real LoRA model equal the planner's bytes; W shrinks to
+    the adapters' weight gradient and the frozen head has none."""
+    import dataclasses
+
+    from pp_offload.models.lora import apply_lora
+    from pp_offload.plan.costs import head_flops, layer_flops
+    from pp_offload.plan.memory import state_bytes
+    from pp_offload.plan.model import model_spec
+
+    model = apply_lora(_tiny_llama(), r=4, alpha=8.0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    ids = torch.randint(0, 64, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    sizes = [(p.numel(), p.grad is not None) for p in model.parameters()]
+    spec = dataclasses.replace(model_spec(model.get_base_model().config), lora_rank=4)
+    est = state_bytes(spec, "fp32", [(LLAMA["num_hidden_layers"], True, True)])
+    assert est.params == 4 * sum(n for n, _ in sizes)
+    assert est.grads == 4 * sum(n for n, has in sizes if has)
+    assert est.optimizer == sum(
+        t.numel() * 4 for s in optimizer.state.values() for t in s.values() if t.dim()
+    )
+
+    full = layer_flops(dataclasses.replace(spec, lora_rank=0), seq_len=32)
+    lora = layer_flops(spec, seq_len=32)
+    assert lora.W < 0.25 * full.W and lora.F > full.F and head_flops(spec).W == 0
+    with pytest.raises(ValueError, match="lora_rank"):
+        dataclasses.replace(spec, lora_rank=-1)
