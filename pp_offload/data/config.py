@@ -36,6 +36,25 @@ class DataConfig:
       assistant message (the response). Everything before the assistant's content (what the template renders
       for the user message alone with ``add_generation_prompt=True``) is masked; the rest of the rendering
       (the response and whatever the template closes the turn with) and the eos are learned.
+
+    Attributes:
+        path: ``embedded``, a `datasets` builder name, a local file or directory, or a hub dataset name.
+        data_files: Files (a path, a glob or a list) for a builder name or a directory.
+        name: The dataset's configuration name (hub datasets).
+        split: The split to train on.
+        text_column: Column of plain text (language modelling).
+        prompt_column: Column of prompts (supervised fine-tuning; with ``response_column``).
+        response_column: Column of responses, the only text learned in supervised fine-tuning.
+        prompt_template: Format string applied to the prompt (``{prompt}`` and other ``{column}``s).
+        chat_template: Render prompt and response with the tokenizer's chat template.
+        seq_len: Tokens per packed block.
+        max_examples: Read at most this many examples of ``split``.
+        eval_split: Held-out split evaluated during training: of ``path`` (the embedded corpus has
+            ``validation``), or of ``eval_path`` when that is set (default there: ``train``, a file's
+            only split). Must differ from ``split`` when it is a split of ``path``.
+        eval_path: Held-out examples from another source (same forms as ``path``, same columns and
+            formatting).
+        eval_max_examples: Read at most this many held-out examples.
     """
 
     path: str = "embedded"

@@ -67,7 +67,29 @@ class PipelineConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation: AdamW, linear warm-up then cosine (or constant) decay, clipping by the global norm."""
+    """Optimisation: AdamW, linear warm-up then cosine (or constant) decay, clipping by the global norm.
+
+    Attributes:
+        steps: Optimizer steps of the run.
+        global_batch_size: Packed blocks per step, over every data-parallel replica.
+        lr: Peak learning rate.
+        min_lr_ratio: The cosine decay ends at ``lr * min_lr_ratio``.
+        warmup_steps: Steps of linear warm-up to ``lr``.
+        lr_schedule: ``cosine`` or ``constant`` after the warm-up.
+        weight_decay: AdamW's decoupled weight decay.
+        betas: AdamW's moment coefficients.
+        max_grad_norm: Clip the global gradient norm (every pipeline and data-parallel rank) to this;
+            null: no clipping (the norm is still logged).
+        precision: ``fp32`` or ``bf16`` (autocast, or FSDP's bf16 policy when dp > 1; fp32 master
+            weights).
+        activation_checkpointing: Recompute each decoder layer in backward (composes with offload).
+        seed: Seeds the model's initialisation, the LoRA adapters' and the data order.
+        device: ``auto`` (this rank's GPU when there is one), ``cpu`` or ``cuda``.
+        timeout_s: Collective timeout: a stuck rank fails the job instead of hanging it.
+        eval_every: Steps between evaluations on the held-out data (``data.eval_split`` or
+            ``data.eval_path``); 0: only the final evaluation, which runs whenever held-out data is set.
+        eval_batches: Held-out global batches per evaluation (the same blocks each time); null: all.
+    """
 
     steps: int = 40
     global_batch_size: int = 16
