@@ -308,3 +308,44 @@ def test_doc_python_blocks_run(index: int, tmp_path: Path, monkeypatch: pytest.M
         out = proc.stdout
     assert out.strip(), "the block printed nothing"
     print(out)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_merged_state_is_the_peft_model(model_type: str) -> None:
+    """Folding the adapters into the base weights (GPT-2's Conv1D is stored input-major) gives a plain
+    transformers model with the PeftModel's logits; the default GPT-2 targets are its projections."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pp_offload.models import apply_lora, default_target_modules, merged_state, unwrap_peft
+
+    if model_type == "gpt2":
+        config = AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    else:
+        values = {k: v for k, v in LLAMA.items() if k != "model_type"}
+        config = AutoConfig.for_model("llama", vocab_size=64, **values)
+    model = apply_lora(AutoModelForCausalLM.from_config(config), r=4, alpha=8.0).eval()
+    if model_type == "gpt2":
+        assert default_target_modules(model) == ["c_attn", "c_fc", "c_proj"]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # peft starts B at 0: make the adapters matter
+    inner = unwrap_peft(model)
+    merged = AutoModelForCausalLM.from_config(config).eval()
+    missing, unexpected = merged.load_state_dict(merged_state(inner, inner.state_dict()), strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing)  # a tied head is the embedding
+    merged.tie_weights()
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_section_from_overrides(tmp_path: Path) -> None:
+    from pp_offload.recipe import LoraConfig, load_config
+
+    config = load_config(None, ["lora.r=16", "lora.target_modules=[q_proj, v_proj]", "train.eval_every=5"])
+    assert config.lora == LoraConfig(r=16, target_modules=["q_proj", "v_proj"])
+    assert load_config(None, []).lora is None  # no section: full fine-tuning
+    assert "Attributes:" in LoraConfig.__doc__ and all(
+        f"{name}:" in LoraConfig.__doc__ for name in LoraConfig.__dataclass_fields__
+    )

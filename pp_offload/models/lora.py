@@ -70,11 +70,13 @@ def default_target_modules(model: nn.Module) -> list[str]:
     model = unwrap_peft(model)
     family = family_of(model)
     layers = getattr(getattr(model, family.base), family.layers)
-    names = {
-        name.rsplit(".", 1)[-1]
-        for name, module in layers.named_modules()
-        if isinstance(module, _linear_types()) and name
-    }
+    names = set()
+    for name, module in layers.named_modules():
+        parts = name.split(".")
+        if not name or "base_layer" in parts or any(p.startswith("lora_") for p in parts):
+            continue  # inside a LoRA layer of an already wrapped model: the layer itself counts
+        if isinstance(module, _linear_types()) or hasattr(module, "base_layer"):
+            names.add(parts[-1])
     if not names:
         raise UnsupportedModelError(
             f"{type(model).__name__}: no linear projections found in its decoder layers for LoRA"
