@@ -1,9 +1,10 @@
 """Validation loss of a causal LM, unsplit in one process or pipelined across ranks, forward only.
 
-Why not ``schedule.eval()``: torch's multi-stage runtime replays the training order, backward actions
-included, and those fail once backward is off; and a training schedule's stages keep receive buffers
-and saved activations sized for training. Evaluation needs none of that: each rank runs its stages'
-forwards under ``torch.no_grad()`` (nothing saved, so no activation memory, no gradients and no offload
+Why not torch's ``schedule.eval()``: it runs the training schedule itself with backward switched off,
+replaying its whole order (backward, offload and FSDP actions included), and every switch between
+training and evaluation re-initialises the stages' buffers (with a p2p warm-up) in the training
+schedule's own state. Evaluation needs none of that: each rank runs its stages' forwards under
+``torch.no_grad()`` (nothing saved, so no activation memory, no gradients and no offload
 traffic), in stage order and, within a stage, microbatch order, passing hidden states to the rank that
 holds the next stage with plain point-to-point sends. Every rank goes through its stages in increasing
 index and only ever waits for a lower stage, whose rank never waits for a higher one, so the exchange

@@ -5,7 +5,10 @@ exact), tell the loss the global target-token count, run the pipeline schedule (
 unsplit model on the same microbatches: the reference the pipelined run must reproduce), sum a tied
 weight's gradient across ranks when the two ends sit apart, clip by the norm over every pipeline and
 data-parallel rank, step AdamW. Rank 0 shows a progress bar and logs loss, tokens/s, learning rate and
-peak memory.
+peak memory. With held-out data (``data.eval_split`` / ``data.eval_path``) the validation loss is measured
+every ``train.eval_every`` steps and at the end, forward only (`pp_offload.models.evaluate_pipeline`).
+With a ``lora`` section the model is wrapped by peft before the split and only the adapters train
+(`pp_offload.models.lora`).
 
 Hybrid runs (``pipeline.dp > 1``): the world is a ``("dp", "pp")`` mesh, pipeline rank inner; each
 pipeline replica gets its own slice of every global batch, and each stage is sharded with FSDP2 over the
