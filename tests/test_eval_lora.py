@@ -84,20 +84,24 @@ def _matches(got: dict, want: dict) -> None:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_pipelined_lora_and_eval_match_one_process(tmp_path: Path, cache: str, reference: dict) -> None:
     """One 2-rank spawn: LoRA under V-Half (evaluated after each step, exported as adapter and merged),
-    the same stopped after step 1 and resumed, and LoRA under ZBV with full offload: losses, adapter
-    gradient norms and evaluation losses equal one process; the exports reproduce the trained model."""
+    the same stopped after step 1 and resumed, LoRA under ZBV with full offload, and under torch's
+    single-stage GPipe (evaluated): losses, adapter gradient norms and evaluation losses equal one process;
+    the exports reproduce the trained model."""
     lora_full = _config(
         tmp_path / "lora", lora=dict(LORA, merge=True), train__eval_every=1, output__export=True
     )
     first = _config(tmp_path / "resumed", steps=1, lora=LORA, output__save_every=1)
     resumed = _config(tmp_path / "resumed", lora=LORA, output__resume=True)
     zbv = _config(tmp_path / "zbv", schedule="ScheduleZBVZeroBubble", lora=LORA, pipeline__offload="full")
-    results = run_on_ranks(_worker, 2, [lora_full, first, resumed, zbv], cache, timeout=300)
+    gpipe = _config(tmp_path / "gpipe", schedule="ScheduleGPipe", lora=LORA, train__eval_every=1)
+    configs = [lora_full, first, resumed, zbv, gpipe]
+    results = run_on_ranks(_worker, 2, configs, cache, timeout=300)
     assert results[0] == results[1]  # every rank reports the same losses and evaluations
-    lora, head, tail, zbv_run = results[0]
-    _matches(lora, reference)
-    _matches(zbv_run, reference)
-    _close(_eval_losses(lora), _eval_losses(reference))  # through the pipeline == one process
+    lora, head, tail, zbv_run, gpipe_run = results[0]
+    for run in (lora, zbv_run, gpipe_run):
+        _matches(run, reference)
+    for run in (lora, gpipe_run):  # through the pipeline (a V schedule, torch's single-stage) == one process
+        _close(_eval_losses(run), _eval_losses(reference))
     assert [e["step"] for e in lora["evals"]] == [1, 2] and zbv_run["evals"][0]["step"] == 2
     _close(head["losses"] + tail["losses"], lora["losses"])  # resumed from the adapter-only checkpoint
 
