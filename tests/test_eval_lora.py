@@ -84,9 +84,9 @@ def _matches(got: dict, want: dict) -> None:
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_pipelined_lora_and_eval_match_one_process(tmp_path: Path, cache: str, reference: dict) -> None:
     """One 2-rank spawn: LoRA under V-Half (evaluated after each step, exported as adapter and merged),
-    the same stopped after step 1 and resumed, LoRA under ZBV with full offload, and under torch's
-    single-stage GPipe (evaluated): losses, adapter gradient norms and evaluation losses equal one process;
-    the exports reproduce the trained model."""
+    the same stopped after step 1 and resumed, LoRA under ZBV with full offload, under torch's
+    single-stage GPipe (evaluated), and on a bf16 checkpoint each rank loads by part: losses, adapter
+    gradient norms and evaluation losses equal one process; the exports reproduce the trained model."""
     lora_full = _config(
         tmp_path / "lora", lora=dict(LORA, merge=True), train__eval_every=1, output__export=True
     )
@@ -94,12 +94,17 @@ def test_pipelined_lora_and_eval_match_one_process(tmp_path: Path, cache: str, r
     resumed = _config(tmp_path / "resumed", lora=LORA, output__resume=True)
     zbv = _config(tmp_path / "zbv", schedule="ScheduleZBVZeroBubble", lora=LORA, pipeline__offload="full")
     gpipe = _config(tmp_path / "gpipe", schedule="ScheduleGPipe", lora=LORA, train__eval_every=1)
-    configs = [lora_full, first, resumed, zbv, gpipe]
+    by_part = _config(tmp_path / "by_part", lora=LORA)  # a bf16 checkpoint: each rank reads its share
+    by_part["model"] = _pretrained_llama(tmp_path / "pretrained", cache)
+    configs = [lora_full, first, resumed, zbv, gpipe, by_part]
     results = run_on_ranks(_worker, 2, configs, cache, timeout=300)
     assert results[0] == results[1]  # every rank reports the same losses and evaluations
-    lora, head, tail, zbv_run, gpipe_run = results[0]
+    lora, head, tail, zbv_run, gpipe_run, by_part_run = results[0]
     for run in (lora, zbv_run, gpipe_run):
         _matches(run, reference)
+    whole = _config(tmp_path / "by_part_ref", lora=LORA)  # one process: from_pretrained, whole model
+    whole["model"] = by_part["model"]
+    _matches(by_part_run, _run(whole, cache))
     for run in (lora, gpipe_run):  # through the pipeline (a V schedule, torch's single-stage) == one process
         _close(_eval_losses(run), _eval_losses(reference))
     assert [e["step"] for e in lora["evals"]] == [1, 2] and zbv_run["evals"][0]["step"] == 2
@@ -137,6 +142,26 @@ def test_lora_pp2_dp2_matches_one_process(tmp_path: Path, cache: str, reference:
         _matches(got, reference)
     _close(_eval_losses(results[0][0]), _eval_losses(reference))
     _check_exports(tmp_path / "vhalf")
+
+
+def _pretrained_llama(where: Path, cache: str) -> dict:
+    """A Llama saved as hub checkpoints are (bf16, sharded) with the embedded tokenizer: pipelined runs
+    load it by part (meta skeleton, own tensors only), one process with from_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from pp_offload.data import embedded_assets, embedded_dir
+    from pp_offload.models.loading import check_checkpoint, empty_model
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_assets(embedded_dir(Path(cache))).tokenizer_dir)
+    values = {k: v for k, v in LLAMA.items() if k != "model_type"}
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama", vocab_size=len(tokenizer), **values)
+    )
+    model.to(torch.bfloat16).save_pretrained(where, max_shard_size="100KB")
+    tokenizer.save_pretrained(where)
+    check_checkpoint(empty_model(where), where)  # so the ranks load by part
+    return {"path": str(where)}
 
 
 def _check_exports(out: Path) -> None:
@@ -353,3 +378,28 @@ def test_lora_section_from_overrides(tmp_path: Path) -> None:
     assert "Attributes:" in LoraConfig.__doc__ and all(
         f"{name}:" in LoraConfig.__doc__ for name in LoraConfig.__dataclass_fields__
     )
+
+
+def test_lora_on_a_bf16_checkpoint_is_a_skeleton_until_split(tmp_path: Path, cache: str) -> None:
+    """Pipelined runs read a bf16 checkpoint by part with LoRA too: the wrapped model is a meta skeleton,
+    and a rank's split gets the checkpoint's tensors and adapters initialised by name, as the whole model
+    gets them (the adapters do not depend on what a rank holds)."""
+    from transformers import AutoTokenizer
+
+    from pp_offload.models import is_peft_model, split_model
+    from pp_offload.models.loading import load_split_weights
+    from pp_offload.models.lora import init_adapters, unwrap_peft
+    from pp_offload.recipe.parts import load_model
+
+    config = _config(tmp_path / "out", lora=LORA)
+    config["model"] = _pretrained_llama(tmp_path / "pretrained", cache)
+    recipe = RecipeConfig.from_dict(config)
+    tokenizer = AutoTokenizer.from_pretrained(config["model"]["path"])
+    skeleton = load_model(recipe, tokenizer, partial=True)
+    assert is_peft_model(skeleton) and all(p.is_meta for p in skeleton.parameters())
+    split = split_model(skeleton, num_stages=4, stage_indices=[1, 2])
+    load_split_weights(split, unwrap_peft(skeleton), config["model"]["path"])
+    assert init_adapters(split.module, seed=0) == 2 * 7 * 2  # layers 1-2: 7 projections, A and B
+    whole = unwrap_peft(load_model(recipe, tokenizer, partial=False)).state_dict()
+    for name, tensor in split.module.state_dict().items():
+        torch.testing.assert_close(tensor, whole[name], rtol=0, atol=0)

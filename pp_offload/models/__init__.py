@@ -8,6 +8,8 @@ from pp_offload.models.lora import (
     apply_lora,
     default_target_modules,
     export_adapter,
+    init_adapters,
+    is_peft_model,
     merged_state,
     unwrap_peft,
 )
@@ -25,6 +27,8 @@ __all__ = [
     "evaluate_model",
     "evaluate_pipeline",
     "export_adapter",
+    "init_adapters",
+    "is_peft_model",
     "merged_state",
     "unwrap_peft",
     "CausalLMStage",

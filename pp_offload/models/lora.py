@@ -17,6 +17,8 @@ every rank writes its shard as `export_pretrained` does.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +36,8 @@ __all__ = [
     "apply_lora",
     "default_target_modules",
     "export_adapter",
+    "init_adapters",
+    "is_adapter_name",
     "is_peft_model",
     "merged_state",
     "unwrap_peft",
@@ -55,6 +59,39 @@ def is_peft_model(model: Any) -> bool:
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The causal LM inside a ``PeftModel`` (its LoRA layers in place), or ``model`` itself."""
     return model.get_base_model() if is_peft_model(model) else model
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter name is a LoRA adapter's (``...q_proj.lora_A.default.weight``)."""
+    return ".lora_" in name
+
+
+def init_adapters(module: nn.Module, *, seed: int) -> int:
+    """(Re)initialise every LoRA adapter under ``module`` as peft does (``lora_A`` uniform in
+    +-1/sqrt(fan_in), i.e. kaiming-uniform with a=sqrt(5); ``lora_B`` zero), each from a generator seeded by
+    ``seed`` and the parameter's name. Returns the number of adapter tensors set.
+
+    Why by name: peft draws every adapter from the global random stream in module order, so a rank that
+    builds only its own stages (a meta-device skeleton loaded by part) would draw other numbers than the
+    unsplit model. Seeding each tensor by its name makes the adapters the same whatever the split.
+    """
+    count = 0
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if not is_adapter_name(name) or param.is_meta:
+                continue
+            if ".lora_B." in name:
+                param.zero_()
+            else:
+                digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+                generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+                bound = 1.0 / math.sqrt(param.shape[1])
+                values = torch.empty(param.shape, dtype=torch.float32).uniform_(
+                    -bound, bound, generator=generator
+                )
+                param.copy_(values.to(param.device, param.dtype))
+            count += 1
+    return count
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -142,7 +179,7 @@ def adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name: _full(tensor).detach().to("cpu")
         for name, tensor in module.state_dict().items()
-        if ".lora_" in name
+        if is_adapter_name(name)
     }
 
 

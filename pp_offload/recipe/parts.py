@@ -163,31 +163,33 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
     `build_pipeline` reads only the rank's own tensors (`pp_offload.models.loading`: an fp32 checkpoint
     is memory-mapped by ``from_pretrained`` and costs no more); when the checkpoint cannot be read by part
     (no safetensors, names that do not match), the whole model is loaded, as without ``partial``.
-    With a ``lora`` section the model comes back wrapped in a peft ``PeftModel`` and is always loaded
-    whole (LoRA layers rename the base weights the by-part loader looks up).
+    With a ``lora`` section the model (or the skeleton) comes back wrapped in a peft ``PeftModel``; its
+    adapters are initialised by name (`pp_offload.models.lora.init_adapters`), so a rank that loads by part
+    gets the same adapters as the unsplit model.
     """
     spec = config.model
     if (spec.path is None) == (spec.config is None):
         raise ConfigError("set exactly one of model.path (hub id or local dir) and model.config (a dict)")
-    if config.lora is not None:
-        return _with_lora(config, _load_model(config, tokenizer, partial=False))
-    return _load_model(config, tokenizer, partial=partial)
+    model = _load_model(config, tokenizer, partial=partial)
+    return _with_lora(config, model) if config.lora is not None else model
 
 
 def _with_lora(config: RecipeConfig, model: nn.Module) -> nn.Module:
-    """``model`` wrapped by peft with the ``lora`` section's adapter (the same on every rank: seeded)."""
+    """``model`` wrapped by peft with the ``lora`` section's adapter, initialised from ``train.seed`` and
+    each adapter's name: the same on every rank, whatever it holds, and on resume."""
     from pp_offload.models.families import UnsupportedModelError
-    from pp_offload.models.lora import LoraError, apply_lora
+    from pp_offload.models.lora import LoraError, apply_lora, init_adapters, unwrap_peft
 
     lora = config.lora
     assert lora is not None
-    torch.manual_seed(config.train.seed + 1)  # adapter init: the same on every rank and on resume
     try:
-        return apply_lora(
+        wrapped = apply_lora(
             model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
         )
     except (LoraError, UnsupportedModelError) as error:
         raise ConfigError(f"lora: {error}") from error
+    init_adapters(unwrap_peft(wrapped), seed=config.train.seed)  # a meta skeleton's: after its load
+    return wrapped
 
 
 def _load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool) -> nn.Module:
@@ -433,8 +435,11 @@ def build_pipeline(
     )
     if any(p.is_meta for p in split.module.parameters()):  # a skeleton from load_model(partial=True)
         from pp_offload.models.loading import load_split_weights
+        from pp_offload.models.lora import init_adapters, unwrap_peft
 
-        load_split_weights(split, model, str(config.model.path))
+        load_split_weights(split, unwrap_peft(model), str(config.model.path))
+        if config.lora is not None:
+            init_adapters(split.module, seed=config.train.seed)
     split.module.to(device)
     if config.train.activation_checkpointing:
         activation_checkpointing(split)
