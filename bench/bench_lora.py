@@ -2,11 +2,12 @@
 
 Three parts:
 
-1. measured on CPU (a small Llama, fp32): F, I and W of a stack of decoder layers with torch's own split
-   backward (what a pipeline stage runs), full vs LoRA; the measured W/F ratio next to the planner's
-   formula (`pp_offload.plan.costs`). Also the bytes autograd saves per layer with and without adapters
-   (the planner uses full fine-tuning's figure for both), and the planner's parameter / gradient /
-   optimizer bytes against the real LoRA model and a real AdamW step (they must be equal);
+1. measured on CPU (two small Llamas, hidden 256 and 768, 2 layers, fp32): F, I and W of the decoder
+   layers with torch's own split backward (what a pipeline stage runs), full vs LoRA; the measured W/F
+   ratio next to the planner's formula (`pp_offload.plan.costs`). Also the bytes autograd saves per
+   layer with and without adapters (the planner uses full fine-tuning's figure for both), and the
+   planner's parameter / gradient / optimizer bytes against the real LoRA model and a real AdamW step
+   (they must be equal);
 2. the planner (`pp_offload.plan`) on an 8B Llama config (Llama-3-8B shapes, bf16 with fp32 masters and
    AdamW moments, microbatch 1): per-rank memory of full fine-tuning and LoRA (rank 16, every projection)
    under 1F1B, V-Half, V-Min and V-Half with full offload, seq 4096 and 8192, 4 and 8 pipeline ranks,
@@ -54,6 +55,14 @@ CPU_MODEL = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
 }
+# the pass timing also at a wider model: per-operation overhead weighs less, W/F moves toward the formula
+WIDER = {
+    **CPU_MODEL,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+}
 RANK = 16
 GPUS = (24, 48, 80)
 SCHEDULES = (
@@ -64,20 +73,22 @@ SCHEDULES = (
 )
 
 
-def _cpu_model(lora: bool):
+def _cpu_model(lora: bool, shape: dict[str, Any] | None = None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pp_offload.models.lora import apply_lora, unwrap_peft
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CPU_MODEL))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **(shape or CPU_MODEL)))
     if lora:
         model = unwrap_peft(apply_lora(model, r=RANK, alpha=2.0 * RANK))
     return model
 
 
-def measure_passes(*, seq_len: int, batch: int, repeats: int) -> dict[str, Any]:
+def measure_passes(
+    *, seq_len: int, batch: int, repeats: int, shape: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Median seconds of F, I, W of the model's decoder layers (one stage without embedding and head),
     with torch's own split backward (what a pipeline stage runs for I and W: I keeps the intermediate
     gradients W needs, W computes only the trainable weights' gradients from them)."""
@@ -87,12 +98,12 @@ def measure_passes(*, seq_len: int, batch: int, repeats: int) -> dict[str, Any]:
 
     rows = {}
     for lora in (False, True):
-        model = _cpu_model(lora)
+        model = _cpu_model(lora, shape)
         layers = model.model.layers
         rotary = model.model.rotary_emb
         times: dict[str, list[float]] = {"F": [], "I": [], "W": []}
         for _ in range(repeats + 1):  # the first is a warm-up
-            x = torch.randn(batch, seq_len, CPU_MODEL["hidden_size"], requires_grad=True)
+            x = torch.randn(batch, seq_len, (shape or CPU_MODEL)["hidden_size"], requires_grad=True)
             pos = torch.arange(seq_len).unsqueeze(0)
             t0 = time.perf_counter()
             h = x
@@ -114,13 +125,13 @@ def measure_passes(*, seq_len: int, batch: int, repeats: int) -> dict[str, Any]:
     return rows
 
 
-def planner_ratios(seq_len: int) -> dict[str, dict[str, float]]:
+def planner_ratios(seq_len: int, shape: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
     import dataclasses
 
     from pp_offload.plan.costs import layer_flops
     from pp_offload.plan.model import model_spec
 
-    spec = model_spec({**CPU_MODEL, "model_type": "llama"})
+    spec = model_spec({**(shape or CPU_MODEL), "model_type": "llama"})
     out = {}
     for name, s in (("full", spec), ("lora", dataclasses.replace(spec, lora_rank=RANK))):
         f = layer_flops(s, seq_len=seq_len)
@@ -323,22 +334,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     began = time.perf_counter()
     seq = 256
-    passes = measure_passes(seq_len=seq, batch=2, repeats=3 if args.quick else 7)
-    formula = planner_ratios(seq)
+    passes, formula = {}, {}
+    print(f"1. measured on CPU: seq {seq}, batch 2, fp32, LoRA rank {RANK} on every projection")
     print(
-        f"1. measured on CPU: {CPU_MODEL['num_hidden_layers']} Llama layers, hidden "
-        f"{CPU_MODEL['hidden_size']}, seq {seq}, batch 2, fp32, LoRA rank {RANK} on every projection"
+        f"{'hidden':>6} {'mode':>6} {'trainable':>10} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'W/F meas':>9} "
+        f"{'W/F plan':>9} {'I/F meas':>9} {'I/F plan':>9}"
     )
-    print(
-        f"{'mode':>6} {'trainable':>10} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'W/F meas':>9} {'W/F plan':>9} "
-        f"{'I/F meas':>9} {'I/F plan':>9}"
-    )
-    for mode, r in passes.items():
-        print(
-            f"{mode:>6} {r['trainable_params']:>10} {r['F'] * 1e3:>8.2f} {r['I'] * 1e3:>8.2f} "
-            f"{r['W'] * 1e3:>8.2f} {r['W'] / r['F']:>9.3f} {formula[mode]['W/F']:>9.3f} "
-            f"{r['I'] / r['F']:>9.3f} {formula[mode]['I/F']:>9.3f}"
-        )
+    for shape in (CPU_MODEL, WIDER):
+        key = f"hidden_{shape['hidden_size']}"
+        passes[key] = measure_passes(seq_len=seq, batch=2, repeats=3 if args.quick else 5, shape=shape)
+        formula[key] = planner_ratios(seq, shape)
+        for mode, r in passes[key].items():
+            f = formula[key][mode]
+            print(
+                f"{shape['hidden_size']:>6} {mode:>6} {r['trainable_params']:>10} {r['F'] * 1e3:>8.2f} "
+                f"{r['I'] * 1e3:>8.2f} {r['W'] * 1e3:>8.2f} {r['W'] / r['F']:>9.3f} {f['W/F']:>9.3f} "
+                f"{r['I'] / r['F']:>9.3f} {f['I/F']:>9.3f}"
+            )
     saved = saved_per_layer(seq_len=seq)
     print(
         f"saved for backward per layer: full {saved['full'] / 2**20:.2f} MiB, "
