@@ -5,6 +5,7 @@ Kept apart from the loading code so a recipe can be parsed and validated without
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from dataclasses import dataclass
 
@@ -52,6 +53,12 @@ class DataConfig:
             assistant's content); not together with ``prompt_template``.
         seq_len: Tokens per packed block (documents are packed, each followed by an EOS).
         max_examples: Use only the first examples of the split; ``null``: all.
+        eval_split: Held-out split evaluated during training: of ``path`` (the embedded corpus has
+            ``validation``), or of ``eval_path`` when that is set (default there: ``train``, a file's
+            only split). Must differ from ``split`` when it is a split of ``path``.
+        eval_path: Held-out examples from another source (same forms as ``path``, same columns and
+            formatting).
+        eval_max_examples: Read at most this many held-out examples.
     """
 
     path: str = "embedded"
@@ -65,6 +72,9 @@ class DataConfig:
     chat_template: bool = False
     seq_len: int = 128
     max_examples: int | None = None
+    eval_split: str | None = None
+    eval_path: str | None = None
+    eval_max_examples: int | None = None
 
     def __post_init__(self) -> None:
         # Fail at recipe-parsing time, not after minutes of tokenization.
@@ -91,6 +101,41 @@ class DataConfig:
             raise DataError(f"seq_len must be >= 1, got {self.seq_len}")
         if self.max_examples is not None and self.max_examples < 1:
             raise DataError(f"max_examples must be >= 1 or None, got {self.max_examples}")
+        if self.eval_max_examples is not None and self.eval_max_examples < 1:
+            raise DataError(f"eval_max_examples must be >= 1 or None, got {self.eval_max_examples}")
+        if self.eval_path is None and self.eval_split is not None and self.eval_split == self.split:
+            raise DataError(
+                f"eval_split={self.eval_split!r} is the training split: evaluation would score the training "
+                "data; name a held-out split (the embedded corpus has 'validation') or give eval_path"
+            )
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether held-out examples are configured (``eval_split`` or ``eval_path``)."""
+        return self.eval_split is not None or self.eval_path is not None
+
+    def eval_config(self) -> DataConfig:
+        """The same columns and formatting, reading the held-out examples instead of the training ones.
+
+        ``eval_path`` (a file, directory or dataset name like ``path``) is read at its ``eval_split`` (default
+        ``train``: a file's only split); without it ``eval_split`` of ``path`` is read. Raises if neither is
+        set.
+        """
+        if not self.has_eval:
+            raise DataError("no evaluation data: set eval_split (a split of path) or eval_path")
+        path = self.eval_path if self.eval_path is not None else self.path
+        split = self.eval_split if self.eval_split is not None else "train"
+        data_files = None if self.eval_path is not None else self.data_files
+        return dataclasses.replace(
+            self,
+            path=path,
+            split=split,
+            data_files=data_files,
+            max_examples=self.eval_max_examples,
+            eval_split=None,
+            eval_path=None,
+            eval_max_examples=None,
+        )
 
     @property
     def is_sft(self) -> bool:

@@ -32,7 +32,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 #: Bump when the corpus splitting or the tokenizer recipe changes: old builds are then ignored, not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Every HELDOUT_EVERY-th document (spread over all topics) goes to the ``validation`` split, not ``train``:
+#: the main job's evaluation must score text the model never trained on.
+HELDOUT_EVERY = 20
 #: The one special token: end of document, and also bos/unk/pad (as GPT-2 does), so nothing else is reserved.
 EOS_TOKEN = "<|endoftext|>"
 #: Paragraphs shorter than this (headings, underlines, one-line code fragments) are dropped: too short to
@@ -42,16 +45,27 @@ MIN_DOC_CHARS = 64
 CACHE_ENV = "PP_OFFLOAD_CACHE"
 
 _CORPUS_FILE = "corpus.jsonl"
+_VALIDATION_FILE = "validation.jsonl"
 _TOKENIZER_DIR = "tokenizer"
 _STAMP_FILE = "stamp.json"
 
 
 @dataclass(frozen=True)
 class EmbeddedAssets:
-    """The built files: a jsonl corpus (one ``{"text", "topic"}`` object a line) and a tokenizer directory."""
+    """The built files: jsonl corpora (one ``{"text", "topic"}`` object a line) and a tokenizer directory.
+
+    ``corpus_file`` is the ``train`` split, ``validation_file`` the held-out documents (every
+    ``HELDOUT_EVERY``-th), disjoint from it. The tokenizer is trained on both (it is not what is evaluated).
+    """
 
     corpus_file: Path
     tokenizer_dir: Path
+    validation_file: Path
+
+    @property
+    def splits(self) -> dict[str, str]:
+        """``data_files`` for `datasets.load_dataset`: split name -> file."""
+        return {"train": str(self.corpus_file), "validation": str(self.validation_file)}
 
 
 def default_cache_dir() -> Path:
@@ -109,7 +123,11 @@ def embedded_assets(out_dir: str | os.PathLike, *, vocab_size: int = 2048) -> Em
             _publish(tmp, final, identity)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return EmbeddedAssets(corpus_file=final / _CORPUS_FILE, tokenizer_dir=final / _TOKENIZER_DIR)
+    return EmbeddedAssets(
+        corpus_file=final / _CORPUS_FILE,
+        tokenizer_dir=final / _TOKENIZER_DIR,
+        validation_file=final / _VALIDATION_FILE,
+    )
 
 
 def _is_complete(final: Path, identity: dict) -> bool:
@@ -121,13 +139,18 @@ def _is_complete(final: Path, identity: dict) -> bool:
     return (
         all(stamp.get(name) == value for name, value in identity.items())
         and (final / _CORPUS_FILE).is_file()
+        and (final / _VALIDATION_FILE).is_file()
         and (final / _TOKENIZER_DIR).is_dir()
     )
 
 
 def _build(tmp: Path, documents: list[tuple[str, str]], vocab_size: int, identity: dict) -> None:
-    with (tmp / _CORPUS_FILE).open("w", encoding="utf-8") as f:
-        for topic, text in documents:
+    with (
+        (tmp / _CORPUS_FILE).open("w", encoding="utf-8") as train,
+        (tmp / _VALIDATION_FILE).open("w", encoding="utf-8") as heldout,
+    ):
+        for index, (topic, text) in enumerate(documents):
+            f = heldout if index % HELDOUT_EVERY == HELDOUT_EVERY // 2 else train
             f.write(json.dumps({"text": text, "topic": topic}) + "\n")
     tokenizer = train_tokenizer([text for _, text in documents], vocab_size=vocab_size)
     tokenizer.save_pretrained(tmp / _TOKENIZER_DIR)

@@ -54,7 +54,7 @@ def load_examples(config: DataConfig, *, cache_dir: str | os.PathLike | None = N
         if config.data_files is not None:
             raise DataError("data_files is not used with path='embedded'; use path='json' (or 'text', ...)")
         assets = embedded_assets(embedded_dir(cache_dir))
-        dataset = _load_local("json", config, datasets_cache, data_files=str(assets.corpus_file))
+        dataset = _load_local("json", config, datasets_cache, data_files=assets.splits)
     elif path in BUILDERS:
         if config.data_files is None:
             raise DataError(f"the {path!r} builder needs data_files (a file, a glob or a list of files)")
@@ -149,5 +149,3 @@ def _load_from_hub(config: DataConfig, cache_dir: str | None) -> datasets.Datase
         raise DataError(
             f"could not load dataset {config.path!r} from the hub: {type(error).__name__}: {error}"
         ) from error
-
-

@@ -1,7 +1,18 @@
-"""Hugging Face causal LMs as pipeline stages: split, loss, export."""
+"""Hugging Face causal LMs as pipeline stages: split, loss, export, LoRA (peft), evaluation."""
 
+from pp_offload.models.evaluate import EvalResult, evaluate_model, evaluate_pipeline
 from pp_offload.models.export import export_pretrained
 from pp_offload.models.families import UnsupportedModelError, family_of
+from pp_offload.models.lora import (
+    LoraError,
+    apply_lora,
+    default_target_modules,
+    export_adapter,
+    init_adapters,
+    is_peft_model,
+    merged_state,
+    unwrap_peft,
+)
 from pp_offload.models.loss import IGNORE_INDEX, TokenCrossEntropy
 from pp_offload.models.split import CausalLMStage, KeptLayers, ModelSplit, balanced_layers, split_model
 
@@ -9,6 +20,17 @@ __all__ = [
     "IGNORE_INDEX",
     "TokenCrossEntropy",
     "export_pretrained",
+    "EvalResult",
+    "LoraError",
+    "apply_lora",
+    "default_target_modules",
+    "evaluate_model",
+    "evaluate_pipeline",
+    "export_adapter",
+    "init_adapters",
+    "is_peft_model",
+    "merged_state",
+    "unwrap_peft",
     "CausalLMStage",
     "KeptLayers",
     "ModelSplit",

@@ -79,7 +79,9 @@ def _weight_map(path: str) -> dict[str, str]:
 
 
 def _checkpoint_name(name: str, available: set[str], model: nn.Module) -> str:
-    """The checkpoint's name for the model's tensor ``name``."""
+    """The checkpoint's name for the model's tensor ``name`` (a LoRA layer's frozen ``base_layer`` is the
+    checkpoint's projection)."""
+    name = name.replace(".base_layer.", ".")
     if name in available:
         return name
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
@@ -96,7 +98,7 @@ def _sources(module: nn.Module, model: nn.Module, path: str) -> tuple[dict[str, 
     """(checkpoint name -> file, ``module``'s tensor name -> checkpoint name)."""
     weight_map = _weight_map(path)
     available = set(weight_map)
-    names = list(module.state_dict(keep_vars=True))
+    names = [n for n in module.state_dict(keep_vars=True) if ".lora_" not in n]  # adapters: not in it
     return weight_map, {name: _checkpoint_name(name, available, model) for name in names}
 
 
@@ -139,6 +141,8 @@ def load_split_weights(
     """Materialise ``split.module`` (built from `empty_model`) on the CPU with the checkpoint's tensors.
 
     Returns the number of tensors read. Parameters of ``model`` outside the split stay on the meta device.
+    LoRA adapters (peft) are not in the checkpoint: they are left uninitialised here
+    (`pp_offload.models.lora.init_adapters` sets them).
     Raises `PartialLoadError` when a tensor cannot be found (nothing is half-loaded that is then used:
     the caller falls back to a full load).
     """

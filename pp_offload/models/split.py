@@ -24,6 +24,7 @@ from torch import nn
 
 from pp_offload.balance import balanced_layers
 from pp_offload.models.families import Family, UnsupportedModelError, family_of
+from pp_offload.models.lora import unwrap_peft
 
 __all__ = ["CausalLMStage", "KeptLayers", "ModelSplit", "balanced_layers", "split_model"]
 
@@ -223,8 +224,10 @@ def split_model(
 
     ``layers_per_stage`` overrides the automatic split (contiguous layers, balanced with the embedding and
     the LM head counted as work). Put the model in train mode and on its device before or after; the stages
-    share its parameters.
+    share its parameters. A peft ``PeftModel`` is split underneath its wrapper (LoRA layers and peft's
+    parameter names kept).
     """
+    model = unwrap_peft(model)  # a PeftModel: split the model it wraps, LoRA layers and peft names kept
     family = family_of(model)
     if family.kind == "decoder" and len(family.embeddings) != 1:
         raise UnsupportedModelError(

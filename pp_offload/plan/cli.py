@@ -97,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="optimizer state and master weights sharded over --dp (ZeRO-1/2, FSDP2 under PP)",
     )
     p.add_argument(
+        "--lora-rank",
+        type=_positive_int,
+        default=0,
+        metavar="R",
+        help="plan LoRA fine-tuning: adapters of rank R on every layer projection, base frozen",
+    )
+    p.add_argument(
         "--gpu-memory",
         type=_positive_float,
         default=None,
@@ -184,6 +191,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "pp": args.pp,
         "dp": args.dp,
         "dp_shard": args.dp_shard,
+        "lora_rank": args.lora_rank,
         "gpu_memory_gib": args.gpu_memory,
         "machine": args.machine,
         "dtype": args.dtype,

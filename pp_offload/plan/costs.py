@@ -9,6 +9,12 @@ per token forward; flash attention's backward recomputes the scores, 2.5x the fo
 (attention has no weights). The LM head is a projection like any other (2 h V each for F, I, W); the
 embedding lookup and its gradient are memory-bound and counted as free. Copies: bytes / host bandwidth;
 transfers between ranks: hidden-state bytes / p2p bandwidth + latency.
+
+LoRA (``spec.lora_rank``): the base weights are frozen, so W computes only the adapters' weight gradients,
+2 x (adapter parameters) per token, a few percent of a full W at usual ranks; F and I each add the
+adapters' own matmuls (2 x adapter parameters), and the LM head has no W at all. Zero-bubble schedules fill
+bubbles with W passes, so with LoRA there is almost nothing to fill them with (measured, not assumed:
+``bench/bench_lora.py`` times W on CPU, and ``schedule: auto`` uses the probe's measured W).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pp_offload.plan.machines import Machine
-from pp_offload.plan.memory import Precision, precision
+from pp_offload.plan.memory import Precision, lora_layer_params, precision
 from pp_offload.plan.model import ModelSpec
 
 __all__ = [
@@ -58,16 +64,18 @@ def _projection_weights(spec: ModelSpec) -> int:
 
 
 def layer_flops(spec: ModelSpec, *, seq_len: int) -> PassTimes:
-    """FLOPs per token of one decoder layer's F, I and W passes."""
+    """FLOPs per token of one decoder layer's F, I and W passes (with LoRA: see the module doc)."""
     matmul = 2.0 * _projection_weights(spec)
+    adapters = 2.0 * lora_layer_params(spec)
     attention = 2.0 * seq_len * spec.q_size  # causal: QK^T and AV over seq/2 keys on average
-    return PassTimes(matmul + attention, matmul + _FLASH_BACKWARD * attention, matmul)
+    weight = adapters if spec.lora_rank else matmul
+    return PassTimes(matmul + adapters + attention, matmul + adapters + _FLASH_BACKWARD * attention, weight)
 
 
 def head_flops(spec: ModelSpec) -> PassTimes:
     """FLOPs per token of the LM head's F, I and W passes."""
     x = 2.0 * spec.hidden_size * spec.vocab_size
-    return PassTimes(x, x, x)
+    return PassTimes(x, x, 0.0 if spec.lora_rank else x)  # LoRA: the head is frozen, no W
 
 
 def split_extras(spec: ModelSpec, *, seq_len: int) -> tuple[float, float]:

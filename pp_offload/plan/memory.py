@@ -248,6 +248,17 @@ def layer_params(spec: ModelSpec) -> int:
     return total
 
 
+def lora_layer_params(spec: ModelSpec) -> int:
+    """Adapter parameters of one decoder layer with LoRA of rank ``spec.lora_rank`` on every projection:
+    r x (in + out) per projection (``lora_A`` is r x in, ``lora_B`` out x r); 0 without LoRA."""
+    h, i, q, k = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size
+    if spec.family == "gpt2":  # c_attn (h -> 3h), attn c_proj (h -> h), c_fc (h -> i), mlp c_proj (i -> h)
+        widths = (h + 3 * h) + (h + h) + (h + i) + (i + h)
+    else:  # q, k, v, o, gate, up, down
+        widths = (h + q) + 2 * (h + k) + (q + h) + 2 * (h + i) + (i + h)
+    return spec.lora_rank * widths
+
+
 def embedding_params(spec: ModelSpec) -> int:
     return spec.vocab_size * spec.hidden_size + spec.max_positions * spec.hidden_size
 
@@ -259,9 +270,10 @@ def head_params(spec: ModelSpec) -> int:
 
 
 def stage_params(spec: ModelSpec, *, layers: int, first: bool, last: bool) -> int:
-    """Parameters of one stage. A tied LM head on a stage without the embedding holds its own copy (its
-    gradient is summed with the embedding's across ranks); on the embedding's stage it is shared."""
-    total = layers * layer_params(spec)
+    """Parameters of one stage (LoRA adapters included). A tied LM head on a stage without the embedding
+    holds its own copy (its gradient is summed with the embedding's across ranks); on the embedding's
+    stage it is shared."""
+    total = layers * (layer_params(spec) + lora_layer_params(spec))
     if first:
         total += embedding_params(spec)
     if last:
@@ -297,7 +309,8 @@ def state_bytes(
     A tied embedding and LM head on the same rank (V placement puts both on rank 0) count once.
     ``dp_shard``: optimizer state and master weights sharded over the ``dp`` replicas (ZeRO-1/2, or FSDP2
     under pipelining with ``reshard_after_forward=False``, where unsharded parameters and gradients
-    live through the step anyway).
+    live through the step anyway). With LoRA (``spec.lora_rank``) only the adapters have gradients and
+    optimizer state; the frozen base counts as parameters only.
     """
     p = precision(dtype)
     count = sum(stage_params(spec, layers=n, first=f, last=la) for n, f, la in stages)
@@ -307,10 +320,13 @@ def state_bytes(
     if spec.tie_word_embeddings and firsts and lasts and not same_stage:
         count -= spec.vocab_size * spec.hidden_size
     shard = dp if dp_shard else 1
+    trained = count
+    if spec.lora_rank:
+        trained = sum(n for n, _, _ in stages) * lora_layer_params(spec)
     return StateBytes(
         params=count * p.param_bytes,
-        grads=count * p.grad_bytes,
-        optimizer=-(-count * p.optimizer_bytes // shard),
+        grads=trained * p.grad_bytes,
+        optimizer=-(-trained * p.optimizer_bytes // shard),
     )
 
 

@@ -47,6 +47,14 @@ class ModelSpec:
     mlp_bias: bool = False
     resid_dropout: float = 0.0
     embd_dropout: float = 0.0
+    # LoRA fine-tuning: adapters of this rank on every projection of the decoder layers (the recipe's
+    # default targets), everything else frozen; 0: every weight is trained. See `pp_offload.plan.costs`
+    # (W shrinks to the adapters' weight gradient) and `pp_offload.plan.memory.state_bytes`.
+    lora_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be an int >= 0 (0: full fine-tuning), got {self.lora_rank!r}")
 
     @property
     def q_size(self) -> int:
@@ -65,6 +73,7 @@ class ModelSpec:
             f"MLP {self.intermediate_size} ({self.hidden_act}), "
             f"{self.num_heads} heads of {self.head_dim}{gqa}, "
             f"vocab {self.vocab_size}{', tied embeddings' if self.tie_word_embeddings else ''}"
+            f"{f', LoRA rank {self.lora_rank} (base frozen)' if self.lora_rank else ''}"
         )
 
 

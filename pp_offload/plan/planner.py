@@ -194,6 +194,7 @@ def plan(
     jobs: int | None = None,
     evaluate_dominated: bool = False,
     suggest: bool = True,
+    lora_rank: int = 0,
 ) -> PlanResult:
     """Evaluate every schedule with every offload policy and recommend one (see the module doc).
 
@@ -217,6 +218,9 @@ def plan(
     evaluate_dominated: also replay the offload policies of schedules that fit without offload (they cannot
         be recommended: offload never shortens an order, and ties go to no offload), to see what offload
         would save; by default they are listed as skipped, which saves most of the planning time.
+    lora_rank: plan LoRA fine-tuning with adapters of this rank on every layer projection (0: all weights
+        trained): gradients and optimizer state of the adapters only, and W of the adapters only, which
+        leaves zero-bubble schedules little to fill their bubbles with (`pp_offload.plan.costs`).
 
     Raises `PlanError` when nothing fits (``err.result`` holds the ranked candidates) or when no schedule
     can be built for these inputs; ``ValueError``/``TypeError`` for malformed arguments.
@@ -237,6 +241,8 @@ def plan(
     if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, (int, float)) or not reserve_gib >= 0:
         raise ValueError(f"reserve_gib must be a number >= 0, got {reserve_gib!r}")
     spec = model_spec(model)
+    if lora_rank:
+        spec = replace(spec, lora_rank=lora_rank)
     mach = resolve_machine(
         machine, flops=flops, host_bandwidth=host_bandwidth, mfu=mfu, memory_gib=gpu_memory_gib
     )
@@ -254,6 +260,7 @@ def plan(
         "pp": pp,
         "dp": dp,
         "dp_shard": dp_shard,
+        "lora_rank": spec.lora_rank,
         "dtype": prec.name,
         "machine": mach.name,
         "gpu_memory_gib": mach.memory_gib,

@@ -2,6 +2,7 @@
 
 from pp_offload.recipe.config import (
     ConfigError,
+    LoraConfig,
     ModelConfig,
     OutputConfig,
     PipelineConfig,
@@ -12,6 +13,7 @@ from pp_offload.recipe.config import (
 
 __all__ = [
     "ConfigError",
+    "LoraConfig",
     "ModelConfig",
     "OutputConfig",
     "PipelineConfig",

@@ -44,7 +44,12 @@ _LATEST = "latest.json"
 # Flattened optimizer state: every entry (param_groups included) is keyed by parameter name. The nested
 # form keeps one "param_groups" list per rank under the same key, and DCP would load rank 0's list on
 # every pipeline rank.
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Frozen parameters (a LoRA run's base model) are not saved: they are reloaded from model.path or rebuilt
+# from the config's seed, and a checkpoint stays the size of what is trained.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+# Loading sets the saved (trainable) tensors and leaves the frozen ones as built. DCP itself still fails on
+# a trainable tensor the checkpoint lacks: it loads exactly the keys of the state dict it is given.
+_LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 class CheckpointError(RuntimeError):
@@ -139,7 +144,11 @@ def load_checkpoint(root: str | Path, module: nn.Module, optimizer: torch.optim.
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(where))
     set_state_dict(
-        module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
+        module,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_LOAD_OPTIONS,
     )
     rng = where / f"rng_{_rank()}.pt"
     if rng.is_file():

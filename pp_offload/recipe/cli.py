@@ -124,5 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"; exported to {result.export_dir}" if result.export_dir else ""
         losses = result.losses
         if losses:
-            print(f"finetune: done, loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps{where}")
+            held_out = ""
+            if result.evals:
+                last = result.evals[-1]
+                held_out = f"; validation loss {last['loss']:.4f} (perplexity {last['perplexity']:.1f})"
+            print(
+                f"finetune: done, loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps"
+                f"{held_out}{where}"
+            )
     return 0

@@ -18,6 +18,7 @@ from pp_offload.data import DataConfig, DataError
 
 __all__ = [
     "ConfigError",
+    "LoraConfig",
     "ModelConfig",
     "OutputConfig",
     "PipelineConfig",
@@ -123,6 +124,9 @@ class TrainConfig:
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         timeout_s: Collective timeout in seconds: a stuck or missing rank fails the job instead of
             hanging it.
+        eval_every: Steps between evaluations on the held-out data (``data.eval_split`` or
+            ``data.eval_path``); 0: only the final evaluation, which runs whenever held-out data is set.
+        eval_batches: Held-out global batches per evaluation (the same blocks each time); null: all.
     """
 
     steps: int = 40
@@ -139,6 +143,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     timeout_s: float = 600.0
+    eval_every: int = 0
+    eval_batches: int | None = None
 
 
 @dataclass
@@ -168,9 +174,30 @@ class OutputConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA fine-tuning with peft: adapters on the base model's projections, everything else frozen.
+
+    Attributes:
+        r: Rank of each adapter (``lora_A`` is r x in, ``lora_B`` out x r).
+        alpha: Scale of the adapter's update: the update is multiplied by ``alpha / r``.
+        dropout: Dropout on the adapter's input (peft's ``lora_dropout``); 0 disables it.
+        target_modules: Module names peft adapts (``q_proj`` matches every layer's); default: every
+            linear projection of the decoder layers (attention and MLP).
+        merge: Also write ``<output.dir>/merged``: the base model with the adapter folded into its
+            weights, loadable by ``AutoModelForCausalLM.from_pretrained``.
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    merge: bool = False
+
+
+@dataclass
 class RecipeConfig:
     """The whole recipe configuration (YAML sections ``model``, ``data``, ``pipeline``, ``train``,
-    ``output``).
+    ``output``, and ``lora`` for LoRA fine-tuning).
 
     Attributes:
         model: The model to fine-tune (`ModelConfig`).
@@ -178,6 +205,7 @@ class RecipeConfig:
         pipeline: Schedule, pipeline and data-parallel sizes, offload (`PipelineConfig`).
         train: Optimisation (`TrainConfig`).
         output: Checkpoints, export and metrics (`OutputConfig`).
+        lora: LoRA adapters via peft (`LoraConfig`); absent: every weight is trained.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -185,6 +213,7 @@ class RecipeConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    lora: LoraConfig | None = None  # a ``lora:`` section (even empty) turns LoRA on
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -210,6 +239,7 @@ def _section_class(section: str) -> type:
         "pipeline": PipelineConfig,
         "train": TrainConfig,
         "output": OutputConfig,
+        "lora": LoraConfig,
     }[section]
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -84,14 +85,26 @@ def attribute_docs(cls: type) -> dict[str, str]:
 
 def sections() -> list[tuple[str, type]]:
     """The YAML sections in order, with their dataclass (from `RecipeConfig`'s fields), so a section added
-    there is documented here without a change."""
+    there is documented here without a change. A section is either always there (a dataclass with a
+    ``default_factory``) or optional (``SomeConfig | None = None``: writing the section turns it on)."""
+    hints = typing.get_type_hints(RecipeConfig)
     found = []
     for f in dataclasses.fields(RecipeConfig):
         cls = f.default_factory
+        if cls is dataclasses.MISSING and f.default is None:
+            members = [t for t in typing.get_args(hints[f.name]) if t is not type(None)]
+            cls = members[0] if len(members) == 1 else None
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-            raise TypeError(f"RecipeConfig.{f.name} must be a section dataclass with a default_factory")
+            raise TypeError(
+                f"RecipeConfig.{f.name} must be a section dataclass with a default_factory, or an "
+                "optional one (`SomeConfig | None = None`)"
+            )
         found.append((f.name, cls))
     return found
+
+
+def _optional(section: str) -> bool:
+    return next(f for f in dataclasses.fields(RecipeConfig) if f.name == section).default is None
 
 
 def missing_docs(of: list[tuple[str, type]] | None = None) -> list[str]:
@@ -148,6 +161,11 @@ def render() -> str:
         docs = attribute_docs(cls)
         parts.append(f"## `{section}`\n")
         parts.append(re.sub(r"``(.+?)``", r"`\1`", summary) + "\n")
+        if _optional(section):
+            parts.append(
+                f"Optional: without a `{section}:` section it is off; the section, even empty, "
+                "turns it on with the defaults below.\n"
+            )
         parts.append("| key | default | type | meaning |\n|---|---|---|---|")
         for f in dataclasses.fields(cls):
             default = _yaml(_default(f)).replace("|", "\\|")

@@ -186,12 +186,39 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
     `build_pipeline` reads only the rank's own tensors (`pp_offload.models.loading`: an fp32 checkpoint
     is memory-mapped by ``from_pretrained`` and costs no more); when the checkpoint cannot be read by part
     (no safetensors, names that do not match), the whole model is loaded, as without ``partial``.
+    With a ``lora`` section the model (or the skeleton) comes back wrapped in a peft ``PeftModel``; its
+    adapters are initialised by name (`pp_offload.models.lora.init_adapters`), so a rank that loads by part
+    gets the same adapters as the unsplit model.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     spec = config.model
     if (spec.path is None) == (spec.config is None):
         raise ConfigError("set exactly one of model.path (hub id or local dir) and model.config (a dict)")
+    model = _load_model(config, tokenizer, partial=partial)
+    return _with_lora(config, model) if config.lora is not None else model
+
+
+def _with_lora(config: RecipeConfig, model: nn.Module) -> nn.Module:
+    """``model`` wrapped by peft with the ``lora`` section's adapter, initialised from ``train.seed`` and
+    each adapter's name: the same on every rank, whatever it holds, and on resume."""
+    from pp_offload.models.families import UnsupportedModelError
+    from pp_offload.models.lora import LoraError, apply_lora, init_adapters, unwrap_peft
+
+    lora = config.lora
+    assert lora is not None
+    try:
+        wrapped = apply_lora(
+            model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
+        )
+    except (LoraError, UnsupportedModelError) as error:
+        raise ConfigError(f"lora: {error}") from error
+    init_adapters(unwrap_peft(wrapped), seed=config.train.seed)  # a meta skeleton's: after its load
+    return wrapped
+
+
+def _load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = config.model
     torch.manual_seed(config.train.seed)
     kwargs = {"attn_implementation": spec.attn_implementation, "dtype": torch.float32}
     if spec.path is not None:
@@ -289,8 +316,8 @@ class _TiedAcrossRanks:
             self.is_copy = True
 
     def sync_grads(self) -> None:
-        if self.group is None or self.weight is None:
-            return
+        if self.group is None or self.weight is None or not self.weight.requires_grad:
+            return  # a frozen embedding (LoRA) has no gradient to share
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
         grad = self.weight.grad
@@ -455,8 +482,11 @@ def build_pipeline(
     )
     if any(p.is_meta for p in split.module.parameters()):  # a skeleton from load_model(partial=True)
         from pp_offload.models.loading import load_split_weights
+        from pp_offload.models.lora import init_adapters, unwrap_peft
 
-        load_split_weights(split, model, str(config.model.path))
+        load_split_weights(split, unwrap_peft(model), str(config.model.path))
+        if config.lora is not None:
+            init_adapters(split.module, seed=config.train.seed)
     split.module.to(device)
     if config.train.activation_checkpointing:
         activation_checkpointing(split)

@@ -5,7 +5,10 @@ exact), tell the loss the global target-token count, run the pipeline schedule (
 unsplit model on the same microbatches: the reference the pipelined run must reproduce), sum a tied
 weight's gradient across ranks when the two ends sit apart, clip by the norm over every pipeline and
 data-parallel rank, step AdamW. Rank 0 shows a progress bar and logs loss, tokens/s, learning rate and
-peak memory.
+peak memory. With held-out data (``data.eval_split`` / ``data.eval_path``) the validation loss is measured
+every ``train.eval_every`` steps and at the end, forward only (`pp_offload.models.evaluate_pipeline`).
+With a ``lora`` section the model is wrapped by peft before the split and only the adapters train
+(`pp_offload.models.lora`).
 
 Hybrid runs (``pipeline.dp > 1``): the world is a ``("dp", "pp")`` mesh, pipeline rank inner; each
 pipeline replica gets its own slice of every global batch, and each stage is sharded with FSDP2 over the
@@ -35,6 +38,7 @@ from torch import nn
 
 from pp_offload.data import (
     DataConfig,
+    DataError,
     PackedBatches,
     embedded_assets,
     embedded_dir,
@@ -42,6 +46,8 @@ from pp_offload.data import (
     pack_examples,
 )
 from pp_offload.models import TokenCrossEntropy, export_pretrained
+from pp_offload.models.evaluate import EvalResult, evaluate_model, evaluate_pipeline
+from pp_offload.models.lora import export_adapter, merged_state, unwrap_peft
 from pp_offload.parallel import build_mesh, clip_grad_norm_, grad_norm
 from pp_offload.recipe.auto import choose_schedule, is_auto
 from pp_offload.recipe.checkpoint import latest_step, load_checkpoint, save_checkpoint
@@ -71,12 +77,14 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     resumed_from: int | None = None
-    export_dir: Path | None = None
+    export_dir: Path | None = None  # with LoRA: the adapter, in peft's format
+    merged_dir: Path | None = None  # LoRA with lora.merge: the merged full model
     output_dir: Path | None = None
     schedule: str = ""
     tokens_per_s: float = 0.0
     timeline_png: Path | None = None
     auto: dict[str, Any] | None = None  # schedule: auto's decision (the same on every rank)
+    evals: list[dict[str, float]] = field(default_factory=list)  # {"step", "loss", "perplexity", "tokens"}
 
 
 _AUTO_SUMMARY = ("schedule", "offload", "memory_limit", "predicted_step_s", "peak_bytes", "reason")
@@ -103,13 +111,34 @@ def _check(config: RecipeConfig) -> None:
         raise ConfigError(f"train.lr_schedule must be cosine or constant, got {train.lr_schedule!r}")
     if train.precision not in ("fp32", "bf16"):
         raise ConfigError(f"train.precision must be fp32 or bf16, got {train.precision!r}")
+    if train.eval_every < 0:
+        raise ConfigError(
+            f"train.eval_every must be >= 0 (0: evaluate only at the end), got {train.eval_every}"
+        )
+    if train.eval_batches is not None and train.eval_batches < 1:
+        raise ConfigError(
+            f"train.eval_batches must be >= 1 or null (all held-out blocks), got {train.eval_batches}"
+        )
+    if (train.eval_every or train.eval_batches is not None) and not config.data.has_eval:
+        raise ConfigError(
+            "train.eval_every / train.eval_batches need held-out data: set data.eval_split (the embedded "
+            "corpus has 'validation') or data.eval_path"
+        )
     unknown = set(config.output.metrics) - {"csv", "tensorboard"}
     if unknown:
         raise ConfigError(f"output.metrics may hold csv and tensorboard, got {sorted(unknown)}")
 
 
-def _data(config: RecipeConfig, topo: Topology, cache: Path) -> tuple[Any, PackedBatches, Path | None]:
-    """Tokenizer and batches (every rank; the embedded assets and datasets' cache are safe to share)."""
+@dataclass
+class _Data:
+    tokenizer: Any
+    batches: PackedBatches
+    eval_batches: list[dict[str, torch.Tensor]] | None
+
+
+def _data(config: RecipeConfig, topo: Topology, cache: Path) -> _Data:
+    """Tokenizer, training batches and the held-out batches (every rank; the embedded assets and datasets'
+    cache are safe to share)."""
     data: DataConfig = config.data
     if topo.rank != 0:  # one progress bar per job, not one per rank
         import datasets
@@ -124,7 +153,27 @@ def _data(config: RecipeConfig, topo: Topology, cache: Path) -> tuple[Any, Packe
     batches = PackedBatches(
         packed, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=config.train.seed
     )
-    return tokenizer, batches, tokenizer_dir
+    held_out = None
+    if data.has_eval:
+        held_out = _eval_batches(config, topo, tokenizer, cache)
+    return _Data(tokenizer, batches, held_out)
+
+
+def _eval_batches(config: RecipeConfig, topo: Topology, tokenizer: Any, cache: Path) -> list[dict[str, Any]]:
+    """The first ``train.eval_batches`` global batches of the held-out blocks (all of them by default),
+    in a fixed order, each data-parallel rank its slice: every evaluation scores the same tokens."""
+    eval_data = config.data.eval_config()
+    try:
+        packed = pack_examples(load_examples(eval_data, cache_dir=cache), tokenizer, eval_data)
+        held_out = PackedBatches(
+            packed, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=0
+        )
+    except DataError as error:
+        raise ConfigError(f"evaluation data (data.eval_split / data.eval_path): {error}") from error
+    count = len(held_out)
+    if config.train.eval_batches is not None:
+        count = min(count, config.train.eval_batches)
+    return [held_out.batch(i) for i in range(count)]
 
 
 def _peak_memory_mib(device: torch.device) -> float:
@@ -173,7 +222,15 @@ class _Metrics:
 
     def __init__(self, config: RecipeConfig, out: Path, resumed: bool) -> None:
         self.csv_file = None
+        self.eval_csv = None
         self.tensorboard = None
+        if "csv" in config.output.metrics and config.data.has_eval:
+            path = out / "eval.csv"
+            new = not (resumed and path.exists())
+            self.eval_csv = path.open("w" if new else "a", newline="")
+            self.eval_writer = csv.writer(self.eval_csv)
+            if new:
+                self.eval_writer.writerow(["step", "loss", "perplexity", "tokens"])
         if "csv" in config.output.metrics:
             path = out / "metrics.csv"
             new = not (resumed and path.exists())
@@ -207,7 +264,19 @@ class _Metrics:
             for key, value in values.items():
                 self.tensorboard.add_scalar(f"train/{key}", value, step)
 
+    def log_eval(self, step: int, outcome: EvalResult) -> None:
+        if self.eval_csv is not None:
+            self.eval_writer.writerow(
+                [step, f"{outcome.loss:.6g}", f"{outcome.perplexity:.6g}", outcome.tokens]
+            )
+            self.eval_csv.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("eval/loss", outcome.loss, step)
+            self.tensorboard.add_scalar("eval/perplexity", outcome.perplexity, step)
+
     def close(self) -> None:
+        if self.eval_csv is not None:
+            self.eval_csv.close()
         if self.csv_file is not None:
             self.csv_file.close()
         if self.tensorboard is not None:
@@ -243,9 +312,9 @@ def _run(
     out: Path,
     cache: Path,
     progress: bool,
-    data: tuple[Any, PackedBatches, Path | None],
+    data: _Data,
 ) -> RunResult:
-    tokenizer, batches, _ = data
+    tokenizer, batches = data.tokenizer, data.batches
     ckpt_root = out / "checkpoints"
     resume_from = latest_step(ckpt_root) if config.output.resume else None
     model = load_model(config, tokenizer, partial=topo.distributed)
@@ -274,11 +343,12 @@ def _run(
                 f"pipeline.pp={config.pipeline.pp} needs that many processes; launch with torchrun"
             )
         model.to(device).train()
-        reference = _Reference(model, config.pipeline.microbatches)
-        module = model
+        module = unwrap_peft(model)  # with LoRA: the model under the PeftModel, named as the stages are
+        reference = _Reference(module, config.pipeline.microbatches)
     train = config.train
+    trainable = [p for p in module.parameters() if p.requires_grad]  # with LoRA: the adapters only
     optimizer = torch.optim.AdamW(
-        module.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
+        trainable, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
     )
     start = 0
     result = RunResult(output_dir=out, schedule=pipeline.info.name if pipeline else "single process")
@@ -351,11 +421,15 @@ def _run(
                         f"peak_mem {values['peak_memory_mib']:.0f} MiB"
                     )
                     (bar.write if bar is not None else print)(line)
+            if train.eval_every and (step + 1) % train.eval_every == 0 and step + 1 < train.steps:
+                _evaluate(config, data, pipeline, module, device, topo, step + 1, result, metrics, bar)
             every = config.output.save_every
             if every and (step + 1) % every == 0 and step + 1 < train.steps:
                 save_checkpoint(ckpt_root, step + 1, module, optimizer, keep=config.output.keep)
         if start < train.steps:
             save_checkpoint(ckpt_root, train.steps, module, optimizer, keep=config.output.keep)
+        if data.eval_batches is not None:  # the final evaluation, also after a resume that had nothing left
+            _evaluate(config, data, pipeline, module, device, topo, train.steps, result, metrics, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -363,7 +437,12 @@ def _run(
             metrics.close()
     result.tokens_per_s = tokens_seen / time_spent if time_spent else 0.0
     if config.output.export:
-        result.export_dir = _export(config, model, pipeline, module, tokenizer, out, topo)
+        if config.lora is not None:
+            result.export_dir, result.merged_dir = _export_lora(
+                config, model, pipeline, module, tokenizer, out, topo
+            )
+        else:
+            result.export_dir = _export(config, model, pipeline, module, tokenizer, out, topo)
     if topo.rank == 0:
         summary = {
             "losses": result.losses,
@@ -372,12 +451,46 @@ def _run(
             "resumed_from": result.resumed_from,
             "tokens_per_s": result.tokens_per_s,
             "export_dir": str(result.export_dir) if result.export_dir else None,
+            "merged_dir": str(result.merged_dir) if result.merged_dir else None,
             "timeline_png": str(result.timeline_png) if result.timeline_png else None,
             "auto": None if result.auto is None else {k: result.auto[k] for k in _AUTO_SUMMARY},
+            "eval": result.evals,
+            "final_eval": result.evals[-1] if result.evals else None,
             "config": config.to_dict(),
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return result
+
+
+def _evaluate(
+    config: RecipeConfig,
+    data: _Data,
+    pipeline: Pipeline | None,
+    module: nn.Module,
+    device: torch.device,
+    topo: Topology,
+    step: int,
+    result: RunResult,
+    metrics: _Metrics | None,
+    bar: Any,
+) -> EvalResult:
+    """Validation loss over the held-out batches, forward only (no saved activations, no offload)."""
+    assert data.eval_batches is not None
+    batches = [{k: v.to(device) for k, v in b.items()} for b in data.eval_batches]
+    with _autocast(config, device, topo):
+        if pipeline is not None:
+            outcome = evaluate_pipeline(pipeline.schedule, batches, microbatches=config.pipeline.microbatches)
+        else:
+            outcome = evaluate_model(module, batches, microbatches=config.pipeline.microbatches)
+    result.evals.append({"step": step, **outcome.to_dict()})
+    if metrics is not None:
+        metrics.log_eval(step, outcome)
+        line = (
+            f"eval step {step}/{config.train.steps}  loss {outcome.loss:.4f}  "
+            f"perplexity {outcome.perplexity:.2f}  ({outcome.tokens} tokens)"
+        )
+        (bar.write if bar is not None else print)(line)
+    return outcome
 
 
 def _clip(pipeline: Pipeline | None, module: nn.Module, max_norm: float | None) -> torch.Tensor:
@@ -437,6 +550,43 @@ def _export(
         )
     dist.barrier()
     return exported
+
+
+def _export_lora(
+    config: RecipeConfig,
+    model: nn.Module,
+    pipeline: Pipeline | None,
+    module: nn.Module,
+    tokenizer: Any,
+    out: Path,
+    topo: Topology,
+) -> tuple[Path | None, Path | None]:
+    """The adapter (peft's format, every rank's layers gathered) to ``out/export``; with ``lora.merge`` the
+    merged model to ``out/merged``, each pipeline rank writing its own merged shard."""
+    assert config.lora is not None
+    group = pipeline.pp_group if pipeline is not None else None
+    replica0 = topo.dp_rank == 0  # the other replicas hold the same values and write nothing
+    state = {name: _whole(t) for name, t in module.state_dict().items()}  # under FSDP: collective over dp
+    adapter = None
+    if replica0:
+        adapter_only = _StateDictView({k: v for k, v in state.items() if ".lora_" in k})
+        adapter = export_adapter(adapter_only, model, out / "export", group=group, tokenizer=tokenizer)
+    merged = None
+    if config.lora.merge and replica0:
+        merged = export_pretrained(
+            _StateDictView(merged_state(module, state)),
+            unwrap_peft(model).config,
+            out / "merged",
+            tokenizer=tokenizer,
+            group=group,
+        )
+    if pipeline is not None:
+        dist.barrier()
+    return adapter, merged
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class _StateDictView(nn.Module):

@@ -198,8 +198,14 @@ def lowered_order(schedule: _PipelineScheduleRuntime) -> dict[int, list[_Action]
 
 
 def schedule_stages(schedule: _PipelineScheduleRuntime) -> list[Any]:
-    """The stages this rank's schedule drives."""
-    return list(schedule._stages)
+    """The stages this rank's schedule drives (multi-stage runtime schedules, or a single-stage one)."""
+    stages = getattr(schedule, "_stages", None)
+    if stages is not None:
+        return list(stages)
+    stage = getattr(schedule, "_stage", None)
+    if stage is None:
+        raise TypeError(f"{type(schedule).__name__} is not a pipeline schedule (it holds no stages)")
+    return [stage]
 
 
 def wrap_step_microbatches(schedule: Any, wrapper: Callable[..., Any]) -> Callable[[], None]:
