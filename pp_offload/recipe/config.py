@@ -35,12 +35,26 @@ class ConfigError(ValueError):
 class ModelConfig:
     """The model: ``path`` (hub id or local directory) or ``config`` (a transformers config as a dict, with
     ``model_type``: a randomly initialised model, e.g. the embedded tiny Llama). ``tokenizer`` defaults to
-    ``path``; with ``config`` and the embedded data it is the locally trained tokenizer."""
+    ``path``; with ``config`` and the embedded data it is the locally trained tokenizer.
+
+    Attributes:
+        path: Hugging Face hub id or local directory of the model to fine-tune.
+        config: A transformers config as a dict (with ``model_type``) for a randomly initialised model,
+            used instead of ``path``.
+        tokenizer: Tokenizer id or directory; defaults to ``path``.
+        attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ...).
+        verify_split: Prove the pipeline split before training (default true): the model's own config,
+            shrunken, is run unsplit and as chained stages, and a family whose stages would compute
+            something else is refused with the size of the difference, instead of silently training a
+            different model. Costs well under a second, once per config. Set false only for a family you
+            have checked yourself (see docs/families.md).
+    """
 
     path: str | None = None
     config: dict[str, Any] | None = None
     tokenizer: str | None = None
     attn_implementation: str = "sdpa"
+    verify_split: bool = True
 
 
 @dataclass
