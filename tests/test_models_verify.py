@@ -116,3 +116,11 @@ def test_docs_page_python_blocks_run(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert re.search(r"max \|split - unsplit\| = \d", outputs[0]) and float(outputs[0].split("= ")[1]) < 1e-5
     assert outputs[1].startswith("refused: BertLMHeadModel"), outputs[1]
     assert outputs[2].startswith("True logits differ by"), outputs[2]
+
+
+def test_a_requested_router_aux_loss_is_refused_not_dropped() -> None:
+    model = tiny_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
+    with pytest.raises(UnsupportedModelError, match="output_router_logits=True .*set config.output_router"):
+        split_model(model, num_stages=2, stage_indices=[0])
+    model.config.output_router_logits = False
+    split_model(model, num_stages=2, stage_indices=[0])

@@ -36,6 +36,7 @@ class Family:
     stage only), to the final hidden states before the head and to the logits (last stage only): keys of
     :data:`INPUT_OPS` / :data:`LOGIT_OPS`. ``mask_positions`` is false for families whose forward builds
     its attention masks without the position ids (so packed documents are not separated: GPT-OSS, AFMoE).
+    ``nope_scaling``: layer kinds without rotary embedding get the model's query scaling (Beam).
     """
 
     kind: str
@@ -49,6 +50,7 @@ class Family:
     head_ops: tuple[str, ...] = ()
     logit_ops: tuple[str, ...] = ()
     mask_positions: bool = True
+    nope_scaling: bool = False
 
 
 def _softcap(config: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -137,6 +139,8 @@ _PLANS: dict[str, tuple[str, ...]] = {
 
 # Families whose base model builds attention masks without position_ids (read from their forwards).
 _MASKS_WITHOUT_POSITIONS = frozenset({"afmoe", "gpt_oss"})
+# Families whose NoPE layer kinds take a position-dependent query scaling instead of rotary embeddings.
+_NOPE_SCALING = frozenset({"beam"})
 
 
 def _decoder_family(model: Any, config: Any, name: str) -> Family:
@@ -154,11 +158,9 @@ def _decoder_family(model: Any, config: Any, name: str) -> Family:
         raise UnsupportedModelError(f"{name}: base_model_pp_plan {names} has no 'layers' entry")
     at = names.index("layers")
     base = getattr(model, "base_model_prefix", None) or "model"
-    if getattr(getattr(model, base, None), "rotary_emb", None) is None:
-        raise UnsupportedModelError(
-            f"{name} cannot be split: its base model {base!r} has no shared 'rotary_emb' module "
-            "(stages recompute rotary embeddings from position ids)"
-        )
+    # stages recompute rotary embeddings from position ids; a base model without one (Kimi-Linear: NoPE
+    # layers) passes none to its layers, and so do the stages
+    rotary = getattr(getattr(model, base, None), "rotary_emb", None) is not None
     if not hasattr(model, "lm_head"):
         raise UnsupportedModelError(
             f"{name} cannot be split: it has no 'lm_head' (pass a *ForCausalLM model)"
@@ -175,11 +177,12 @@ def _decoder_family(model: Any, config: Any, name: str) -> Family:
         embeddings=tuple(names[:at]),
         layers="layers",
         norm=norms[0],
-        shared=("rotary_emb",),
+        shared=("rotary_emb",) if rotary else (),
         input_ops=input_ops,
         head_ops=head_ops,
         logit_ops=logit_ops,
         mask_positions=getattr(config, "model_type", "") not in _MASKS_WITHOUT_POSITIONS,
+        nope_scaling=getattr(config, "model_type", "") in _NOPE_SCALING,
     )
 
 

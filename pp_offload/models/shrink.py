@@ -95,6 +95,8 @@ def _heads(values: dict[str, Any]) -> dict[str, Any]:
         kv = values.get(kv_key)
         if isinstance(kv, int):
             out[kv_key] = 4 if kv >= heads else (1 if kv == 1 else 2)
+    if "head_dim" in values and values["head_dim"] is None and "num_attention_heads" in values:
+        out["head_dim"] = 8  # unset (Ministral's default config): hidden 32 over 4 heads
     if isinstance(values.get("head_dim"), int):
         # MLA configs (DeepSeek) set head_dim to the rotary part of a query head: keep them equal
         rope = values.get("qk_rope_head_dim")
@@ -154,10 +156,13 @@ def shrunken_config(config: Any) -> Any:
         if isinstance(values.get(key), int) and values[key] > 0:
             over[key] = size
     over.update(_heads(values))
+    routed = any(key in values for key in _TOP_K)
     for key in _EXPERTS:
         if isinstance(values.get(key), int) and values[key] > 1:
             over[key] = 4
-    has_experts = any(isinstance(values.get(key), int) and values[key] > 1 for key in _EXPERTS)
+        elif key in values and values[key] is None and routed:  # unset in some default configs (dots1)
+            over[key] = 4
+    has_experts = any(isinstance(over.get(key), int) for key in _EXPERTS)
     for key in _TOP_K:
         if isinstance(values.get(key), int) and values[key] > 0:
             over[key] = min(values[key], 2)
@@ -166,8 +171,11 @@ def shrunken_config(config: Any) -> Any:
     for key in ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"):
         if isinstance(values.get(key), int) and values[key] > 1:
             over[key] = 1
-    if isinstance(values.get("n_group"), int):
-        over["n_group"] = 1
+        elif key in values and values[key] is None and routed:
+            over[key] = 1
+    for key in ("n_group", "num_expert_group"):
+        if isinstance(values.get(key), int):
+            over[key] = 1
     if isinstance(values.get("topk_group"), int):
         over["topk_group"] = 1
     if isinstance(values.get("first_k_dense_replace"), int) and values["first_k_dense_replace"] > 0:

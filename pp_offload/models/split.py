@@ -16,6 +16,7 @@ masks (cheap) exactly as the unsplit model does, with the mask kind chosen per l
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,22 +132,39 @@ class CausalLMStage(nn.Module):
         kinds = {index: _layer_type(self._config, index) for index in self.layer_ids}
         mask_positions = position_ids if self._family.mask_positions else None
         masks = _attention_masks(self._config, set(kinds.values()), hidden, mask, mask_positions)
-        if _rotary_per_layer_type(base.rotary_emb):
-            rotary = {kind: base.rotary_emb(hidden, position_ids, kind) for kind in set(kinds.values())}
+        rotary: dict[str, Any] = {}
+        if "rotary_emb" not in self._family.shared:
+            pass  # no rotary embedding in the base model: its layers get none
+        elif _rotary_per_layer_type(base.rotary_emb):
+            rotary = {kind: self._rotary(base, hidden, position_ids, kind) for kind in set(kinds.values())}
         else:
             shared = base.rotary_emb(hidden, position_ids)
-            rotary = dict.fromkeys(kinds.values(), shared)
+            rotary = {kind: {"position_embeddings": shared} for kind in kinds.values()}
         for index, layer in getattr(base, self._family.layers).indexed():
+            extra = rotary[kinds[index]] if rotary else {}
             out = layer(
                 hidden,
                 attention_mask=masks[kinds[index]],
-                position_embeddings=rotary[kinds[index]],
                 position_ids=position_ids,
                 past_key_values=None,
                 use_cache=False,
+                **extra,
             )
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+    def _rotary(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, kind: str) -> dict:
+        """The rotary keyword arguments of a layer of ``kind``, when the rotary embedding depends on the
+        layer type: its own frequencies, or none for a NoPE kind (Beam's ``rope_parameters[kind]`` is None,
+        and those layers scale queries by the model's ``compute_attention_scaling`` instead)."""
+        params = getattr(self._config, "rope_parameters", None)
+        if self._family.nope_scaling and isinstance(params, dict) and kind in params and params[kind] is None:
+            module = sys.modules[type(base.rotary_emb).__module__]  # the family's modeling file
+            return {
+                "position_embeddings": None,
+                "attention_scaling": module.compute_attention_scaling(position_ids),
+            }
+        return {"position_embeddings": base.rotary_emb(hidden, position_ids, kind)}
 
     def _gpt2(self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, mask: Any) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -181,27 +199,30 @@ def _rotary_per_layer_type(rotary: nn.Module) -> bool:
 def _attention_masks(
     config: Any, kinds: set[str], hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor | None
 ) -> dict[str, Any]:
-    from transformers.masking_utils import (
-        create_causal_mask,
-        create_chunked_causal_mask,
-        create_sliding_window_causal_mask,
-    )
+    """One mask per layer kind, built as the families' base models build them (transformers 5.x)."""
+    from transformers import masking_utils as mu
 
-    builders = {
-        "full_attention": create_causal_mask,
-        "sliding_attention": create_sliding_window_causal_mask,
-        "chunked_attention": create_chunked_causal_mask,
+    builders: dict[str, tuple[Any, dict[str, Any]]] = {
+        "full_attention": (mu.create_causal_mask, {}),
+        "sliding_attention": (mu.create_sliding_window_causal_mask, {}),
+        "chunked_attention": (mu.create_chunked_causal_mask, {}),
+        # DeepSeek-V3.2, GLM-MoE-DSA: a causal mask always materialised, for the indexer
+        "indexed_attention": (mu.create_causal_mask, {"allow_is_causal_skip": False}),
     }
+    if hasattr(mu, "create_recurrent_attention_mask"):  # Qwen3-Next, MiniMax: padding mask of linear layers
+        builders["linear_attention"] = (mu.create_recurrent_attention_mask, {})
     masks: dict[str, Any] = {}
     for kind in kinds:
         if kind not in builders:
             raise UnsupportedModelError(f"layer attention type {kind!r} is not supported by the stage split")
-        masks[kind] = builders[kind](
+        build, extra = builders[kind]
+        masks[kind] = build(
             config=config,
             inputs_embeds=hidden,
             attention_mask=mask,
             past_key_values=None,
             position_ids=position_ids,
+            **extra,
         )
     return masks
 
@@ -263,6 +284,16 @@ def split_model(
         raise UnsupportedModelError(
             f"{type(model).__name__}: expected one input embedding (and dropout) before 'layers', got "
             f"{family.embeddings}"
+        )
+    config = model.config
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
+        # HF adds router_aux_loss_coef x a load-balancing loss whose per-expert means run over all layers
+        # (on all stages) and the whole batch; pipeline stages return logits only, so training would
+        # silently drop it
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: output_router_logits=True (router_aux_loss_coef="
+            f"{config.router_aux_loss_coef}) asks for the router load-balancing loss, which pipeline stages "
+            "do not compute; set config.output_router_logits = False to train without it"
         )
     if verify:
         from pp_offload.models.verify import verify_split
