@@ -33,6 +33,7 @@ def summary(results: Sequence[FamilyResult]) -> dict[str, Any]:
     """Counts per status, overall and among families whose config declares ``base_model_pp_plan``."""
     plan = [r for r in results if r.has_pp_plan]
     proofs = [r.proof_s for r in results if r.status == "exact" and r.proof_s is not None]
+    cpu = sorted(r.proof_cpu_s for r in results if r.status == "exact" and r.proof_cpu_s is not None)
     counts = {
         s: sum(r.status == s for r in results) for s in ("exact", "refused", "untested", "wrong", "crash")
     }
@@ -43,23 +44,26 @@ def summary(results: Sequence[FamilyResult]) -> dict[str, Any]:
         "exact_with_pp_plan": sum(r.status == "exact" for r in plan),
         "max_proof_s": max(proofs) if proofs else None,
         "median_proof_s": sorted(proofs)[len(proofs) // 2] if proofs else None,
+        "max_proof_cpu_s": cpu[-1] if cpu else None,
+        "median_proof_cpu_s": cpu[len(cpu) // 2] if cpu else None,
     }
 
 
 def table(results: Sequence[FamilyResult], *, everything: bool = True) -> str:
     """A fixed-width table: model type, class, pp plan, status, proof cost, reason (shortened)."""
-    lines = [f"{'model_type':26s} {'class':34s} {'plan':4s} {'status':8s} {'proof':>7s}  reason"]
+    lines = [f"{'model_type':26s} {'class':34s} {'plan':4s} {'status':8s} {'proof':>7s} {'cpu':>7s}  reason"]
     for r in results:
         if not everything and r.status != "exact":
             continue
         proof = f"{r.proof_s * 1000:.0f}ms" if r.proof_s is not None else "-"
+        cpu = f"{r.proof_cpu_s * 1000:.0f}ms" if r.proof_cpu_s is not None else "-"
         reason = r.reason.split(". If you have checked")[0]
         reason = reason.replace(
             "is refused: the split could not be proven exact on a shrunken copy of its config. ", ""
         )
         lines.append(
             f"{r.model_type:26s} {r.model_class[:34]:34s} {'yes' if r.has_pp_plan else 'no':4s} "
-            f"{r.status:8s} {proof:>7s}  {reason[:110]}"
+            f"{r.status:8s} {proof:>7s} {cpu:>7s}  {reason[:110]}"
         )
     return "\n".join(lines)
 

@@ -9,6 +9,7 @@ has no wrong split and no crash.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,9 @@ def test_committed_sweep_is_fresh_and_never_wrong() -> None:
     bad = {t: r["status"] for t, r in rows.items() if r["status"] not in ("exact", "refused", "untested")}
     assert not bad, bad
     exact = [t for t, r in rows.items() if r["status"] == "exact"]
-    assert max(rows[t]["proof_s"] for t in exact) < 1.0
+    assert max(rows[t]["proof_cpu_s"] for t in exact) < 1.0  # the target; wall clock adds the neighbours
+    plan = [t for t, r in rows.items() if r["has_pp_plan"]]
+    assert sum(rows[t]["status"] == "exact" for t in plan) >= 0.9 * len(plan)
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "families.md"
@@ -100,7 +103,6 @@ def test_docs_page_python_blocks_run(tmp_path: Path, monkeypatch: pytest.MonkeyP
     temporary directory) and print something."""
     import contextlib
     import io
-    import re
 
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
     assert blocks
@@ -124,3 +126,21 @@ def test_a_requested_router_aux_loss_is_refused_not_dropped() -> None:
         split_model(model, num_stages=2, stage_indices=[0])
     model.config.output_router_logits = False
     split_model(model, num_stages=2, stage_indices=[0])
+
+
+def test_a_gpu_only_attention_kernel_is_proven_with_a_cpu_one() -> None:
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flash_attention_2"  # as loaded for a GPU run; not built here
+    assert verify.check_split(model, split_model).ok
+
+
+def test_families_command_prints_the_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pp_offload.__main__ import main
+
+    assert main(["families", "llama", "bert", "--json", str(tmp_path / "f.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^llama\s+LlamaForCausalLM\s+yes\s+exact\s+\d+ms\s+\d+ms", out, flags=re.M), out
+    assert re.search(r"^bert\s+BertLMHeadModel\s+no\s+refused .*base_model_pp_plan", out, flags=re.M), out
+    assert "1 exact, 1 refused, 0 untested, 0 wrong, 0 crashed, of 2" in out
+    saved = json.loads((tmp_path / "f.json").read_text())
+    assert [r["status"] for r in saved["families"]] == ["exact", "refused"]

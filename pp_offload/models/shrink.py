@@ -47,6 +47,7 @@ _SIZES: dict[str, int] = {
     "linear_num_value_heads": 4,
     "linear_head_dim": 8,
     "linear_num_heads": 4,
+    "hidden_size_per_layer_input": 8,
 }
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token")
@@ -70,10 +71,12 @@ def _kept_layers(values: dict[str, Any], n: int) -> list[int]:
     per_layer = [key for key, v in values.items() if isinstance(v, list) and len(v) == n and n > 1]
     dense = values.get("first_k_dense_replace")
     dense = dense if isinstance(dense, int) else 0
+    overrides = _per_layer_config(values)
     kept: list[int] = []
     seen: set[Any] = set()
     for i in range(n):
-        signature = (tuple(repr(values[key][i]) for key in per_layer), i < dense)
+        override = repr(overrides.get(i, (None, None))[1])
+        signature = (tuple(repr(values[key][i]) for key in per_layer), i < dense, override)
         if signature not in seen:
             seen.add(signature)
             kept.append(i)
@@ -83,6 +86,29 @@ def _kept_layers(values: dict[str, Any], n: int) -> list[int]:
         if i not in kept:
             kept.append(i)
     return sorted(kept)
+
+
+def _per_layer_config(values: dict[str, Any]) -> dict[int, tuple[str, Any]]:
+    """``per_layer_config`` (DOTS3, Gemma4: per-layer size overrides keyed by the layer index as a string)
+    as layer index -> (original key, override)."""
+    table = values.get("per_layer_config")
+    if not isinstance(table, dict):
+        return {}
+    return {int(key): (key, value) for key, value in table.items() if str(key).isdigit()}
+
+
+def _small_overrides(override: Any, values: dict[str, Any]) -> Any:
+    """One layer's size overrides made small by the same rules as the whole config."""
+    if not isinstance(override, dict):
+        return override
+    merged = {**values, **override}
+    small = {**{k: v for k, v in _heads(merged).items() if k in override}}
+    for key, value in override.items():
+        if key in _SIZES and isinstance(value, int) and value > 0:
+            small[key] = _SIZES[key]
+        elif key not in small:
+            small[key] = value
+    return small
 
 
 def _heads(values: dict[str, Any]) -> dict[str, Any]:
@@ -152,6 +178,14 @@ def shrunken_config(config: Any) -> Any:
     for key, v in values.items():
         if isinstance(v, list) and len(v) == n and n > 1:
             over[key] = [v[i] for i in kept]
+    overrides = _per_layer_config(values)
+    if overrides:
+        width = max(len(key) for key, _ in overrides.values())
+        over["per_layer_config"] = {
+            str(new).zfill(width): _small_overrides(overrides[old][1], values)
+            for new, old in enumerate(kept)
+            if old in overrides
+        }
     for key, size in _SIZES.items():
         if isinstance(values.get(key), int) and values[key] > 0:
             over[key] = size
@@ -189,7 +223,7 @@ def shrunken_config(config: Any) -> Any:
         if isinstance(v, float) and any(part in key for part in ("dropout", "pdrop", "jitter")):
             over[key] = 0.0
     vocab = VOCAB
-    for key in ("vocab_size", "padded_vocab_size"):
+    for key in ("vocab_size", "padded_vocab_size", "vocab_size_per_layer_input"):
         if isinstance(values.get(key), int):
             over[key] = vocab
     over.update(_token_ids(values, vocab))

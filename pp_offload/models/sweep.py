@@ -38,7 +38,9 @@ MAX_PARAMS = 5_000_000  # a tiny model beyond this means nested sub-configs were
 @dataclass(frozen=True)
 class FamilyResult:
     """One model type's outcome (see the module docstring); ``proof_s`` is the split-time proof's cost
-    (uncached), ``has_pp_plan`` whether its config declares ``base_model_pp_plan``."""
+    (uncached, wall clock), ``proof_cpu_s`` its CPU time (what it costs on an unshared core; the wall clock
+    on a shared machine also counts the neighbours), ``has_pp_plan`` whether its config declares
+    ``base_model_pp_plan``."""
 
     model_type: str
     model_class: str
@@ -48,6 +50,7 @@ class FamilyResult:
     proof_s: float | None = None
     logits_rel: float | None = None
     grad_rel: float | None = None
+    proof_cpu_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,7 +154,7 @@ def sweep_one(model_type: str) -> FamilyResult:
             reason = f"no tiny model: {type(exc).__name__}: {exc}"[:300]
             return FamilyResult(model_type, name, "untested", reason, has_plan)
         verify._cache.clear()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             split_model(model, num_stages=min(2, verify._layer_count(model)), stage_indices=[0])
         except UnsupportedModelError as exc:
@@ -160,7 +163,7 @@ def sweep_one(model_type: str) -> FamilyResult:
             )
         except Exception as exc:
             return FamilyResult(model_type, name, "crash", f"{type(exc).__name__}: {exc}"[:400], has_plan)
-        proof_s = time.perf_counter() - start
+        proof_s, proof_cpu_s = time.perf_counter() - start, time.process_time() - cpu
         try:
             logits_rel, grad_rel = chained_difference(model, split_model)
         except Exception as exc:
@@ -173,9 +176,8 @@ def sweep_one(model_type: str) -> FamilyResult:
                 proof_s,
             )
     ok = logits_rel <= RTOL and grad_rel <= RTOL
-    return FamilyResult(
-        model_type, name, "exact" if ok else "wrong", "", has_plan, proof_s, logits_rel, grad_rel
-    )
+    status = "exact" if ok else "wrong"
+    return FamilyResult(model_type, name, status, "", has_plan, proof_s, logits_rel, grad_rel, proof_cpu_s)
 
 
 def sweep(model_types: Iterable[str] | None = None) -> list[FamilyResult]:

@@ -91,26 +91,37 @@ class _Refused(Exception):
     """Internal: the proof cannot go on; ``args[0]`` is the reason."""
 
 
+_CPU_ATTENTION = ("eager", "sdpa")
+
+
 def _build_small(model: nn.Module) -> nn.Module:
+    """The shrunken fp32 copy, on the CPU. A GPU-only attention kernel (flash attention, ...) is replaced
+    by sdpa (or eager, for families without sdpa): the kernel computes attention inside a layer, the
+    same in the unsplit model and in the stages, and is not what a split can get wrong."""
     try:
         small_config = shrunken_config(model.config)
     except ShrinkError as exc:
         raise _Refused(f"no small copy of the config to prove the split on: {exc}") from exc
-    attn = small_config._attn_implementation
-    try:
-        with torch.device("meta"):
-            skeleton = type(model)._from_config(small_config, attn_implementation=attn)
-        count = sum(p.numel() for p in skeleton.parameters())
-        if count > MAX_PARAMS:
-            raise _Refused(f"the shrunken copy still has {count:,} parameters (sub-configs not shrunk)")
-        small = type(model)._from_config(small_config, attn_implementation=attn, dtype=torch.float32)
-    except _Refused:
-        raise
-    except Exception as exc:  # transformers' own constructor on the shrunken config
-        raise _Refused(f"could not build the shrunken copy: {type(exc).__name__}: {exc}") from exc
     if int(getattr(small_config, "vocab_size", 0) or 0) <= 0:
         raise _Refused("the config has no vocab_size")
-    return small.train()
+    wanted = small_config._attn_implementation
+    kernels = [wanted] if wanted in _CPU_ATTENTION else list(_CPU_ATTENTION)
+    failure: Exception | None = None
+    for attn in kernels:
+        try:
+            with torch.device("meta"):
+                skeleton = type(model)._from_config(small_config, attn_implementation=attn)
+            count = sum(p.numel() for p in skeleton.parameters())
+            if count > MAX_PARAMS:
+                raise _Refused(f"the shrunken copy still has {count:,} parameters (sub-configs not shrunk)")
+            return (
+                type(model)._from_config(small_config, attn_implementation=attn, dtype=torch.float32).train()
+            )
+        except _Refused:
+            raise
+        except Exception as exc:  # transformers' own constructor on the shrunken config
+            failure = exc
+    raise _Refused(f"could not build the shrunken copy: {type(failure).__name__}: {failure}")
 
 
 def _chained_logits(
