@@ -31,6 +31,7 @@ ISSUE_FAMILIES = {
     "gpt2": {},
     "gpt_neox": {},
     "granitemoe": dict(embedding_multiplier=2.0, logits_scaling=4.0),
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
 }
 
 
@@ -45,6 +46,12 @@ def test_issue_families_split_exactly(model_type: str) -> None:
     logits_rel, grad_rel = chained_difference(model, split_model)  # 4 stages, fresh weights and batch
     assert logits_rel <= TIGHT and grad_rel <= TIGHT, (logits_rel, grad_rel)
     split_model(model, num_stages=2, stage_indices=[0, 1])  # and the proof accepts it
+
+
+def test_falcon_with_alibi_is_refused_with_the_reason() -> None:
+    model = tiny_model("falcon", alibi=True)
+    with pytest.raises(UnsupportedModelError, match="alibi=True cannot be split"):
+        split_model(model, num_stages=2, stage_indices=[0])
 
 
 def test_the_proof_refuses_a_split_that_misses_an_operation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +82,7 @@ def test_a_representative_sweep_is_exact_or_refused() -> None:
         "mixtral": "exact",
         "cohere2": "exact",
         "gemma2": "exact",
-        "falcon": "refused",  # no pp plan and a different layer signature (alibi)
+        "falcon": "exact",  # no pp plan: a row of its own (alibi=None, mask without positions)
         "bert": "refused",  # not a decoder-only LM
     }
     results = {r.model_type: r for r in sweep(want)}

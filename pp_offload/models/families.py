@@ -37,6 +37,8 @@ class Family:
     :data:`INPUT_OPS` / :data:`LOGIT_OPS`. ``mask_positions`` is false for families whose forward builds
     its attention masks without the position ids (so packed documents are not separated: GPT-OSS, AFMoE).
     ``nope_scaling``: layer kinds without rotary embedding get the model's query scaling (Beam).
+    ``mask_extra`` / ``layer_extra``: keyword arguments the base model adds to its mask builder and to each
+    layer call (Falcon: a materialised mask, ``alibi=None``).
     """
 
     kind: str
@@ -51,6 +53,8 @@ class Family:
     logit_ops: tuple[str, ...] = ()
     mask_positions: bool = True
     nope_scaling: bool = False
+    mask_extra: tuple[tuple[str, Any], ...] = ()
+    layer_extra: tuple[tuple[str, Any], ...] = ()
 
 
 def _softcap(config: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -94,6 +98,19 @@ FAMILY_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] 
 
 
 _GPT2 = Family(kind="gpt2", base="transformer", embeddings=("wte", "wpe", "drop"), layers="h", norm="ln_f")
+# Falcon (no pp plan): rotary, a mask built without position ids and always materialised, alibi=None in each
+# layer call (FalconModel.forward). Falcon configs with alibi=True are refused in family_of.
+_FALCON = Family(
+    kind="decoder",
+    base="transformer",
+    embeddings=("word_embeddings",),
+    layers="h",
+    norm="ln_f",
+    shared=("rotary_emb",),
+    mask_positions=False,
+    mask_extra=(("allow_is_causal_skip", False),),
+    layer_extra=(("alibi", None),),
+)
 
 
 def family_of(model: Any) -> Family:
@@ -106,6 +123,13 @@ def family_of(model: Any) -> Family:
     name = type(model).__name__
     if getattr(config, "model_type", None) == "gpt2":
         family = _GPT2
+    elif getattr(config, "model_type", None) == "falcon":
+        if getattr(config, "alibi", False):
+            raise UnsupportedModelError(
+                f"{name} with alibi=True cannot be split: its alibi bias is built from the whole batch's "
+                "attention mask inside the base model (rotary Falcon configs split)"
+            )
+        family = _FALCON
     else:
         family = _decoder_family(model, config, name)
     _check_present(model, family, name)

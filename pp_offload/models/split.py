@@ -131,7 +131,9 @@ class CausalLMStage(nn.Module):
                 hidden = INPUT_OPS[op](self._config, hidden)
         kinds = {index: _layer_type(self._config, index) for index in self.layer_ids}
         mask_positions = position_ids if self._family.mask_positions else None
-        masks = _attention_masks(self._config, set(kinds.values()), hidden, mask, mask_positions)
+        masks = _attention_masks(
+            self._config, set(kinds.values()), hidden, mask, mask_positions, dict(self._family.mask_extra)
+        )
         rotary: dict[str, Any] = {}
         if "rotary_emb" not in self._family.shared:
             pass  # no rotary embedding in the base model: its layers get none
@@ -141,7 +143,7 @@ class CausalLMStage(nn.Module):
             shared = base.rotary_emb(hidden, position_ids)
             rotary = {kind: {"position_embeddings": shared} for kind in kinds.values()}
         for index, layer in getattr(base, self._family.layers).indexed():
-            extra = rotary[kinds[index]] if rotary else {}
+            extra = {**(rotary[kinds[index]] if rotary else {}), **dict(self._family.layer_extra)}
             out = layer(
                 hidden,
                 attention_mask=masks[kinds[index]],
@@ -197,7 +199,12 @@ def _rotary_per_layer_type(rotary: nn.Module) -> bool:
 
 
 def _attention_masks(
-    config: Any, kinds: set[str], hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor | None
+    config: Any,
+    kinds: set[str],
+    hidden: torch.Tensor,
+    mask: Any,
+    position_ids: torch.Tensor | None,
+    family_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One mask per layer kind, built as the families' base models build them (transformers 5.x)."""
     from transformers import masking_utils as mu
@@ -222,7 +229,7 @@ def _attention_masks(
             attention_mask=mask,
             past_key_values=None,
             position_ids=position_ids,
-            **extra,
+            **{**extra, **(family_extra or {})},
         )
     return masks
 
