@@ -121,7 +121,7 @@ def family_of(model: Any) -> Family:
             f"{type(model).__name__} has no .config: pass a transformers causal LM (AutoModelForCausalLM)"
         )
     name = type(model).__name__
-    if getattr(config, "model_type", None) == "gpt2":
+    if getattr(config, "model_type", None) in _GPT2_LIKE:
         family = _GPT2
     elif getattr(config, "model_type", None) == "falcon":
         if getattr(config, "alibi", False):
@@ -155,10 +155,15 @@ _PLANS: dict[str, tuple[str, ...]] = {
             "bitnet",
             "diffllama",
             "nanochat",
+            "jetmoe",
         ),
         ("embed_tokens", "layers", "norm"),
     ),
+    "persimmon": ("embed_tokens", "layers", "final_layernorm"),
+    **dict.fromkeys(("gptj", "codegen"), ("wte", "drop", "h", "ln_f")),  # rotary inside their attention
 }
+# GPT-2-shaped families (learned positions added to the token embedding): the GPT-2 stage forward.
+_GPT2_LIKE = frozenset({"gpt2", "gpt_bigcode", "gpt_neo"})
 
 
 # Families whose base model builds attention masks without position_ids (read from their forwards).
@@ -177,10 +182,10 @@ def _decoder_family(model: Any, config: Any, name: str) -> Family:
             "split exactly)"
         )
     names = list(plan)
-    layer_keys = [key for key in names if key == "layers"]
+    layer_keys = [key for key in names if key in ("layers", "h")]
     if not layer_keys:
         raise UnsupportedModelError(f"{name}: base_model_pp_plan {names} has no 'layers' entry")
-    at = names.index("layers")
+    at = names.index(layer_keys[0])
     base = getattr(model, "base_model_prefix", None) or "model"
     # stages recompute rotary embeddings from position ids; a base model without one (Kimi-Linear: NoPE
     # layers) passes none to its layers, and so do the stages
@@ -192,14 +197,14 @@ def _decoder_family(model: Any, config: Any, name: str) -> Family:
     norms = names[at + 1 :]
     if len(norms) != 1:
         raise UnsupportedModelError(
-            f"{name}: expected exactly one module after 'layers' in base_model_pp_plan, got {norms}"
+            f"{name}: expected exactly one module after the layers in base_model_pp_plan, got {norms}"
         )
     input_ops, head_ops, logit_ops = FAMILY_OPS.get(getattr(config, "model_type", ""), ((), (), ()))
     return Family(
         kind="decoder",
         base=base,
         embeddings=tuple(names[:at]),
-        layers="layers",
+        layers=names[at],
         norm=norms[0],
         shared=("rotary_emb",) if rotary else (),
         input_ops=input_ops,

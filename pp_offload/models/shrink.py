@@ -48,6 +48,7 @@ _SIZES: dict[str, int] = {
     "linear_head_dim": 8,
     "linear_num_heads": 4,
     "hidden_size_per_layer_input": 8,
+    "rotary_dim": 4,  # GPT-J, CodeGen: rotary part of a head of 8
 }
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token")
