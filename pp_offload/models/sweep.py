@@ -63,16 +63,6 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return float("inf")
-    scale = float(b.abs().max()) if b.numel() else 0.0
-    diff = float((a - b).abs().max()) if b.numel() else 0.0
-    if diff != diff:
-        return float("inf")
-    return diff / scale if scale > 0 else diff
-
-
 def tiny_model(model_type: str, **overrides: Any) -> torch.nn.Module:
     """A tiny random fp32 causal LM of ``model_type``: its default config (with ``overrides``), shrunken.
 
@@ -95,7 +85,7 @@ def tiny_model(model_type: str, **overrides: Any) -> torch.nn.Module:
 def chained_difference(model: torch.nn.Module, split_model: Any) -> tuple[float, float]:
     """Largest relative (logits, gradient) differences of chained stages from the unsplit model, on a batch
     other than the proof's, with 4 stages (fewer for shallower models) and fresh random weights."""
-    from pp_offload.models.verify import _layer_count, _randomize
+    from pp_offload.models.verify import _layer_count, _randomize, _rel
 
     torch.manual_seed(5)
     _randomize(model, model.get_output_embeddings())
