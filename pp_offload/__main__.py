@@ -3,6 +3,7 @@
 Commands:
   demo    train a small model with six pipeline schedules on CPU and compare them (`pp_offload.demo`)
   plan    choose a schedule and an offload policy for a model on a machine (`pp_offload.plan`)
+  families  which Hugging Face causal LMs split exactly (`pp_offload.families_cli`)
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan_cli.add_arguments(plan_parser)
     plan_parser.set_defaults(run=plan_cli.run_from_args)
+    from pp_offload import families_cli
+
+    families_parser = commands.add_parser(
+        "families",
+        help="which Hugging Face causal LMs split exactly (a live sweep of the installed transformers)",
+        description=families_cli.DESCRIPTION,
+        epilog=families_cli.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    families_cli.add_arguments(families_parser)
+    families_parser.set_defaults(run=families_cli.run_from_args)
     return parser
 
 

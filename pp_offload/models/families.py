@@ -10,10 +10,13 @@ split that silently computes something else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Family", "UnsupportedModelError", "family_of"]
+import torch
+
+__all__ = ["INPUT_OPS", "LOGIT_OPS", "Family", "UnsupportedModelError", "family_of"]
 
 
 class UnsupportedModelError(ValueError):
@@ -29,6 +32,13 @@ class Family:
     ``norm`` the final norm only the last stage runs; ``shared`` parameter-free modules every stage needs
     (the rotary embedding); ``head`` the LM head of the causal LM. ``kind`` picks the stage's forward:
     ``"decoder"`` (rotary, masks per layer type) or ``"gpt2"`` (learned positions, dropout).
+    ``input_ops`` / ``logit_ops`` name what the family's own forward does to the embedding output (first
+    stage only), to the final hidden states before the head and to the logits (last stage only): keys of
+    :data:`INPUT_OPS` / :data:`LOGIT_OPS`. ``mask_positions`` is false for families whose forward builds
+    its attention masks without the position ids (so packed documents are not separated: GPT-OSS, AFMoE).
+    ``nope_scaling``: layer kinds without rotary embedding get the model's query scaling (Beam).
+    ``mask_extra`` / ``layer_extra``: keyword arguments the base model adds to its mask builder and to each
+    layer call (Falcon: a materialised mask, ``alibi=None``).
     """
 
     kind: str
@@ -38,9 +48,69 @@ class Family:
     norm: str
     head: str = "lm_head"
     shared: tuple[str, ...] = ()
+    input_ops: tuple[str, ...] = ()
+    head_ops: tuple[str, ...] = ()
+    logit_ops: tuple[str, ...] = ()
+    mask_positions: bool = True
+    nope_scaling: bool = False
+    mask_extra: tuple[tuple[str, Any], ...] = ()
+    layer_extra: tuple[tuple[str, Any], ...] = ()
+
+
+def _softcap(config: Any, logits: torch.Tensor) -> torch.Tensor:
+    cap = config.final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+Op = Callable[[Any, torch.Tensor], torch.Tensor]
+# What a family's base model does between the input embedding and the first layer (read from its forward).
+INPUT_OPS: dict[str, Op] = {
+    "embedding_multiplier": lambda config, h: h * config.embedding_multiplier,  # Granite*
+    "mup": lambda config, h: h * config.hidden_size**0.5 if config.mup_enabled else h,  # AFMoE
+    # MiniCPM3 divides the final hidden states by logits_scaling before its LM head
+    "hidden_logits_scaling": lambda config, h: h / config.logits_scaling,
+}
+# What a family's causal LM does to the LM head's output (read from its forward).
+LOGIT_OPS: dict[str, Op] = {
+    "logits_scaling": lambda config, x: x / config.logits_scaling,  # Granite*: logits / logits_scaling
+    "logit_scale": lambda config, x: x * config.logit_scale,  # Cohere*: logits * logit_scale
+    "final_logit_softcapping": _softcap,  # Gemma2/3/4, VaultGemma: tanh(x / cap) * cap, when cap is set
+}
+_GRANITE = (("embedding_multiplier",), (), ("logits_scaling",))
+_COHERE = ((), (), ("logit_scale",))
+_SOFTCAP = ((), (), ("final_logit_softcapping",))
+# model_type -> (input ops, ops on the hidden states before the head, logit ops); families not listed do
+# none. The split-time proof (`pp_offload.models.verify`) refuses any family whose forward does something
+# this table misses.
+FAMILY_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "afmoe": (("mup",), (), ()),
+    "minicpm3": ((), ("hidden_logits_scaling",), ()),
+    **dict.fromkeys(
+        ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared", "granitemoehybrid"),
+        _GRANITE,
+    ),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), _COHERE),
+    **dict.fromkeys(
+        ("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "vaultgemma", "beam"),
+        _SOFTCAP,
+    ),
+}
 
 
 _GPT2 = Family(kind="gpt2", base="transformer", embeddings=("wte", "wpe", "drop"), layers="h", norm="ln_f")
+# Falcon (no pp plan): rotary, a mask built without position ids and always materialised, alibi=None in each
+# layer call (FalconModel.forward). Falcon configs with alibi=True are refused in family_of.
+_FALCON = Family(
+    kind="decoder",
+    base="transformer",
+    embeddings=("word_embeddings",),
+    layers="h",
+    norm="ln_f",
+    shared=("rotary_emb",),
+    mask_positions=False,
+    mask_extra=(("allow_is_causal_skip", False),),
+    layer_extra=(("alibi", None),),
+)
 
 
 def family_of(model: Any) -> Family:
@@ -51,33 +121,75 @@ def family_of(model: Any) -> Family:
             f"{type(model).__name__} has no .config: pass a transformers causal LM (AutoModelForCausalLM)"
         )
     name = type(model).__name__
-    if getattr(config, "model_type", None) == "gpt2":
+    if getattr(config, "model_type", None) in _GPT2_LIKE:
         family = _GPT2
+    elif getattr(config, "model_type", None) == "falcon":
+        if getattr(config, "alibi", False):
+            raise UnsupportedModelError(
+                f"{name} with alibi=True cannot be split: its alibi bias is built from the whole batch's "
+                "attention mask inside the base model (rotary Falcon configs split)"
+            )
+        family = _FALCON
     else:
         family = _decoder_family(model, config, name)
     _check_present(model, family, name)
     return family
 
 
+# Families whose config declares no base_model_pp_plan but whose base model has the same shape (read from
+# their modeling files): the plan they would declare.
+_PLANS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        (
+            "granitemoe",
+            "granitemoe_swa",
+            "granitemoeshared",
+            "stablelm",
+            "persimmon",
+            "nemotron",
+            "olmoe",
+            "phimoe",
+            "hunyuan_v1_dense",
+            "hunyuan_v1_moe",
+            "llama4_text",
+            "bitnet",
+            "diffllama",
+            "nanochat",
+            "jetmoe",
+        ),
+        ("embed_tokens", "layers", "norm"),
+    ),
+    "persimmon": ("embed_tokens", "layers", "final_layernorm"),
+    **dict.fromkeys(("gptj", "codegen"), ("wte", "drop", "h", "ln_f")),  # rotary inside their attention
+}
+# GPT-2-shaped families (learned positions added to the token embedding): the GPT-2 stage forward.
+_GPT2_LIKE = frozenset({"gpt2", "gpt_bigcode", "gpt_neo"})
+
+
+# Families whose base model builds attention masks without position_ids (read from their forwards).
+_MASKS_WITHOUT_POSITIONS = frozenset({"afmoe", "gpt_oss"})
+# Families whose NoPE layer kinds take a position-dependent query scaling instead of rotary embeddings.
+_NOPE_SCALING = frozenset({"beam"})
+
+
 def _decoder_family(model: Any, config: Any, name: str) -> Family:
-    plan = getattr(config, "base_model_pp_plan", None)
+    plan = getattr(config, "base_model_pp_plan", None) or _PLANS.get(getattr(config, "model_type", ""))
     if not plan:
         raise UnsupportedModelError(
             f"{name} (model_type={getattr(config, 'model_type', None)!r}) cannot be split: its config "
             "declares no base_model_pp_plan (supported: GPT-2 and decoder families that declare one, "
-            "such as Llama, Mistral, Qwen2, Qwen3, Gemma)"
+            "such as Llama, Mistral, Qwen2, Qwen3, Gemma; `python -m pp_offload families` lists those that "
+            "split exactly)"
         )
     names = list(plan)
-    layer_keys = [key for key in names if key == "layers"]
+    layer_keys = [key for key in names if key in ("layers", "h")]
     if not layer_keys:
         raise UnsupportedModelError(f"{name}: base_model_pp_plan {names} has no 'layers' entry")
-    at = names.index("layers")
+    at = names.index(layer_keys[0])
     base = getattr(model, "base_model_prefix", None) or "model"
-    if getattr(getattr(model, base, None), "rotary_emb", None) is None:
-        raise UnsupportedModelError(
-            f"{name} cannot be split: its base model {base!r} has no shared 'rotary_emb' module "
-            "(stages recompute rotary embeddings from position ids)"
-        )
+    # stages recompute rotary embeddings from position ids; a base model without one (Kimi-Linear: NoPE
+    # layers) passes none to its layers, and so do the stages
+    rotary = getattr(getattr(model, base, None), "rotary_emb", None) is not None
     if not hasattr(model, "lm_head"):
         raise UnsupportedModelError(
             f"{name} cannot be split: it has no 'lm_head' (pass a *ForCausalLM model)"
@@ -85,15 +197,21 @@ def _decoder_family(model: Any, config: Any, name: str) -> Family:
     norms = names[at + 1 :]
     if len(norms) != 1:
         raise UnsupportedModelError(
-            f"{name}: expected exactly one module after 'layers' in base_model_pp_plan, got {norms}"
+            f"{name}: expected exactly one module after the layers in base_model_pp_plan, got {norms}"
         )
+    input_ops, head_ops, logit_ops = FAMILY_OPS.get(getattr(config, "model_type", ""), ((), (), ()))
     return Family(
         kind="decoder",
         base=base,
         embeddings=tuple(names[:at]),
-        layers="layers",
+        layers=names[at],
         norm=norms[0],
-        shared=("rotary_emb",),
+        shared=("rotary_emb",) if rotary else (),
+        input_ops=input_ops,
+        head_ops=head_ops,
+        logit_ops=logit_ops,
+        mask_positions=getattr(config, "model_type", "") not in _MASKS_WITHOUT_POSITIONS,
+        nope_scaling=getattr(config, "model_type", "") in _NOPE_SCALING,
     )
 
 

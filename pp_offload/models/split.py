@@ -15,6 +15,8 @@ masks (cheap) exactly as the unsplit model does, with the mask kind chosen per l
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from pp_offload.balance import balanced_layers
-from pp_offload.models.families import Family, UnsupportedModelError, family_of
+from pp_offload.models.families import INPUT_OPS, LOGIT_OPS, Family, UnsupportedModelError, family_of
 from pp_offload.models.lora import unwrap_peft
 
 __all__ = ["CausalLMStage", "KeptLayers", "ModelSplit", "balanced_layers", "split_model"]
@@ -112,29 +114,60 @@ class CausalLMStage(nn.Module):
         if not self.is_last:
             return hidden
         hidden = getattr(base, self._family.norm)(hidden)
+        for op in self._family.head_ops:
+            hidden = INPUT_OPS[op](self._config, hidden)
         logits = getattr(self, self._family.head)(hidden)
-        softcap = getattr(self._config, "final_logit_softcapping", None)
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
+        for op in self._family.logit_ops:
+            logits = LOGIT_OPS[op](self._config, logits)
         return logits
 
     def _decoder(
         self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, mask: Any
     ) -> torch.Tensor:
         hidden = getattr(base, self._family.embeddings[0])(x) if self.is_first else x
-        masks = _attention_masks(self._config, self.layer_ids, hidden, mask, position_ids)
-        rotary = base.rotary_emb(hidden, position_ids)
+        if self.is_first:
+            for name in self._family.embeddings[1:]:  # modules applied to the embedding (GPT-NeoX's dropout)
+                hidden = getattr(base, name)(hidden)
+            for op in self._family.input_ops:
+                hidden = INPUT_OPS[op](self._config, hidden)
+        kinds = {index: _layer_type(self._config, index) for index in self.layer_ids}
+        mask_positions = position_ids if self._family.mask_positions else None
+        masks = _attention_masks(
+            self._config, set(kinds.values()), hidden, mask, mask_positions, dict(self._family.mask_extra)
+        )
+        rotary: dict[str, Any] = {}
+        if "rotary_emb" not in self._family.shared:
+            pass  # no rotary embedding in the base model: its layers get none
+        elif _rotary_per_layer_type(base.rotary_emb):
+            rotary = {kind: self._rotary(base, hidden, position_ids, kind) for kind in set(kinds.values())}
+        else:
+            shared = base.rotary_emb(hidden, position_ids)
+            rotary = {kind: {"position_embeddings": shared} for kind in kinds.values()}
         for index, layer in getattr(base, self._family.layers).indexed():
+            extra = {**(rotary[kinds[index]] if rotary else {}), **dict(self._family.layer_extra)}
             out = layer(
                 hidden,
-                attention_mask=masks[_layer_type(self._config, index)],
-                position_embeddings=rotary,
+                attention_mask=masks[kinds[index]],
                 position_ids=position_ids,
                 past_key_values=None,
                 use_cache=False,
+                **extra,
             )
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+    def _rotary(self, base: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, kind: str) -> dict:
+        """The rotary keyword arguments of a layer of ``kind``, when the rotary embedding depends on the
+        layer type: its own frequencies, or none for a NoPE kind (Beam's ``rope_parameters[kind]`` is None,
+        and those layers scale queries by the model's ``compute_attention_scaling`` instead)."""
+        params = getattr(self._config, "rope_parameters", None)
+        if self._family.nope_scaling and isinstance(params, dict) and kind in params and params[kind] is None:
+            module = sys.modules[type(base.rotary_emb).__module__]  # the family's modeling file
+            return {
+                "position_embeddings": None,
+                "attention_scaling": module.compute_attention_scaling(position_ids),
+            }
+        return {"position_embeddings": base.rotary_emb(hidden, position_ids, kind)}
 
     def _gpt2(self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, mask: Any) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
@@ -161,22 +194,43 @@ def _layer_type(config: Any, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
-def _attention_masks(
-    config: Any, layer_ids: Sequence[int], hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor
-) -> dict[str, Any]:
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+def _rotary_per_layer_type(rotary: nn.Module) -> bool:
+    """Whether the rotary embedding takes the layer type (Gemma3, Olmo3: one frequency set per kind)."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters
 
-    builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+def _attention_masks(
+    config: Any,
+    kinds: set[str],
+    hidden: torch.Tensor,
+    mask: Any,
+    position_ids: torch.Tensor | None,
+    family_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One mask per layer kind, built as the families' base models build them (transformers 5.x)."""
+    from transformers import masking_utils as mu
+
+    builders: dict[str, tuple[Any, dict[str, Any]]] = {
+        "full_attention": (mu.create_causal_mask, {}),
+        "sliding_attention": (mu.create_sliding_window_causal_mask, {}),
+        "chunked_attention": (mu.create_chunked_causal_mask, {}),
+        # DeepSeek-V3.2, GLM-MoE-DSA: a causal mask always materialised, for the indexer
+        "indexed_attention": (mu.create_causal_mask, {"allow_is_causal_skip": False}),
+    }
+    if hasattr(mu, "create_recurrent_attention_mask"):  # Qwen3-Next, MiniMax: padding mask of linear layers
+        builders["linear_attention"] = (mu.create_recurrent_attention_mask, {})
     masks: dict[str, Any] = {}
-    for kind in {_layer_type(config, i) for i in layer_ids}:
+    for kind in kinds:
         if kind not in builders:
             raise UnsupportedModelError(f"layer attention type {kind!r} is not supported by the stage split")
-        masks[kind] = builders[kind](
+        build, extra = builders[kind]
+        masks[kind] = build(
             config=config,
             inputs_embeds=hidden,
             attention_mask=mask,
             past_key_values=None,
             position_ids=position_ids,
+            **{**extra, **(family_extra or {})},
         )
     return masks
 
@@ -219,6 +273,7 @@ def split_model(
     num_stages: int,
     stage_indices: Sequence[int],
     layers_per_stage: Sequence[int] | None = None,
+    verify: bool = True,
 ) -> ModelSplit:
     """Cut a transformers causal LM into ``num_stages`` stages and return the ones in ``stage_indices``.
 
@@ -226,13 +281,34 @@ def split_model(
     the LM head counted as work). Put the model in train mode and on its device before or after; the stages
     share its parameters. A peft ``PeftModel`` is split underneath its wrapper (LoRA layers and peft's
     parameter names kept).
+
+    ``verify`` (default on) first proves the split on a shrunken copy of the model's config
+    (`pp_offload.models.verify`): chained stages must give the unsplit logits and gradients, or the model is
+    refused with :class:`UnsupportedModelError`. The proof is cached per config; ``verify=False`` skips it.
     """
     model = unwrap_peft(model)  # a PeftModel: split the model it wraps, LoRA layers and peft names kept
     family = family_of(model)
-    if family.kind == "decoder" and len(family.embeddings) != 1:
+    source = getattr(model, family.base)
+    extra = [name for name in family.embeddings[1:] if not isinstance(getattr(source, name), nn.Dropout)]
+    if family.kind == "decoder" and extra:
         raise UnsupportedModelError(
-            f"{type(model).__name__}: expected one input embedding before 'layers', got {family.embeddings}"
+            f"{type(model).__name__}: expected one input embedding (and dropout) before 'layers', got "
+            f"{family.embeddings}"
         )
+    config = model.config
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
+        # HF adds router_aux_loss_coef x a load-balancing loss whose per-expert means run over all layers
+        # (on all stages) and the whole batch; pipeline stages return logits only, so training would
+        # silently drop it
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: output_router_logits=True (router_aux_loss_coef="
+            f"{config.router_aux_loss_coef}) asks for the router load-balancing loss, which pipeline stages "
+            "do not compute; set config.output_router_logits = False to train without it"
+        )
+    if verify:
+        from pp_offload.models.verify import verify_split
+
+        verify_split(model, split_model)
     layers = getattr(getattr(model, family.base), family.layers)
     num_layers = len(layers)
     bad = [s for s in stage_indices if not 0 <= s < num_stages]

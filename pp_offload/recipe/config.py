@@ -46,12 +46,18 @@ class ModelConfig:
         tokenizer: A hub id or local directory of the tokenizer. Default: ``path``; with ``config`` and the
             embedded data, the tokenizer trained on the spot on the embedded corpus.
         attn_implementation: Passed to transformers (``sdpa``, ``eager``, ...).
+        verify_split: Prove the pipeline split before training (default true): the model's own config,
+            shrunken, is run unsplit and as chained stages, and a family whose stages would compute
+            something else is refused with the size of the difference, instead of silently training a
+            different model. Costs well under a second, once per config. Set false only for a family you
+            have checked yourself (see docs/families.md).
     """
 
     path: str | None = None
     config: dict[str, Any] | None = None
     tokenizer: str | None = None
     attn_implementation: str = "sdpa"
+    verify_split: bool = True
 
 
 @dataclass

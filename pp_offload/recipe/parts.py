@@ -479,6 +479,7 @@ def build_pipeline(
         num_stages=num_stages,
         stage_indices=stage_indices(topo.pp_rank, topo.pp, info.placement, per_rank),
         layers_per_stage=spec.layers_per_stage,
+        verify=config.model.verify_split,
     )
     if any(p.is_meta for p in split.module.parameters()):  # a skeleton from load_model(partial=True)
         from pp_offload.models.loading import load_split_weights
