@@ -21,6 +21,16 @@ with `pp_offload.sim.simulate`, and inserts ``OFFLOAD``/``RELOAD`` actions:
 
 A transfer is *issued* where it sits: when the compute pass before it ends (see `pp_offload.sim`).
 
+Budgeted, layer-granular offload (``mode="budget"``): whole chunks are all or nothing, and at real model
+sizes (a transfer/compute ratio k of 4-7 on PCIe hosts) no whole chunk fits its forward-to-backward
+window, so nothing moves. A budget moves part of *every* chunk: its earliest layers (their backward comes
+last), each layer's copy starting as soon as that layer's forward has produced its tensors, and reloaded
+last layer first so the chunk's own backward of its later layers hides part of the reload (the
+simulator's ``layered`` model, `pp_offload.sim.LayeredChunk`; the runtime does the same from hooks on
+the stage's layers). ``fraction`` fixes the share of each chunk's layers; without it (``"budget"``) each
+chunk moves as many layers as its window hides with idle copy lanes, under a cap on layers per chunk
+raised as long as the replayed step stays within ``max_slowdown`` of the order without offload.
+
 Entry points: `resolve_offload` (parse the user's ``offload=`` argument into an `OffloadPolicy`) and
 `plan_offload` (policy + order + costs -> `OffloadPlan`). `transfer_compute_ratio`, `auto_offload` and
 `auto_from_measurements` give the ``auto`` mode its ratio ``k``.
@@ -30,12 +40,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from pp_offload.order.actions import OFFLOAD, RELOAD, Action, B, Costs, F, W
-from pp_offload.sim import SimResult, flatten, simulate
+from pp_offload.sim import LayeredChunk, SimResult, flatten, simulate
 
 __all__ = [
     "OffloadPlan",
@@ -47,10 +57,11 @@ __all__ = [
     "transfer_compute_ratio",
 ]
 
-MODES = ("none", "full", "selective", "auto")
+MODES = ("none", "full", "selective", "auto", "budget")
 LANES = ("duplex", "shared")
 CHOICES = ("peak", "lifespan")
 _DEFAULT_SELECTIVE_FRACTION = 0.5
+_DEFAULT_MAX_SLOWDOWN = 0.03
 _REFINE_ROUNDS = 32
 _EPS = 1e-9
 
@@ -62,10 +73,17 @@ class OffloadPolicy:
     mode:
         ``"none"`` keeps everything on the device; ``"full"`` offloads every chunk that gains from it;
         ``"selective"`` offloads a share of each rank's chunks (see ``choose``); ``"auto"`` picks the
-        share from the transfer/compute ratio ``k`` (see `auto_offload`).
+        share from the transfer/compute ratio ``k`` (see `auto_offload`); ``"budget"`` moves part of
+        every chunk, layer by layer (module doc).
     fraction:
         selective (or resolved auto): share of each rank's chunks to offload, in [0, 1], rounded to the
-        nearest count. Selective without ``fraction`` or ``count`` means 0.5.
+        nearest count. Selective without ``fraction`` or ``count`` means 0.5. Budget: share of each
+        chunk's layers to move (rounded to the nearest layer, earliest layers first; never more than the
+        chunk's forward-to-backward window hides with idle copy lanes, so a chunk whose backward follows
+        its forward moves nothing); None: as many as each chunk's window hides, within ``max_slowdown``.
+    max_slowdown:
+        budget without ``fraction``: the largest predicted step-time increase (relative, 0.03 = 3%) the
+        cap on moved layers per chunk may cost.
     count:
         selective: number of chunks per rank to offload, instead of a fraction.
     choose:
@@ -106,6 +124,7 @@ class OffloadPolicy:
     reload_lead: int | None = None
     lanes: str = "duplex"
     k: float | None = None
+    max_slowdown: float = _DEFAULT_MAX_SLOWDOWN
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -143,6 +162,16 @@ class OffloadPolicy:
             raise ValueError(
                 f"offload mode {self.mode!r} takes no fraction or count (got fraction={self.fraction}, "
                 f"count={self.count}); use mode='selective' to offload a share of the chunks"
+            )
+        if self.mode == "budget" and self.count is not None:
+            raise ValueError(
+                f"offload mode 'budget' moves a share of each chunk's layers: give a fraction, not a count "
+                f"(got count={self.count})"
+            )
+        if not _is_real(self.max_slowdown) or not 0 <= self.max_slowdown < math.inf:
+            raise ValueError(
+                f"max_slowdown must be a finite number >= 0 (relative step-time increase, 0.03 = 3%), "
+                f"got {self.max_slowdown!r}"
             )
         if self.mode == "selective" and self.fraction is None and self.count is None:
             object.__setattr__(self, "fraction", _DEFAULT_SELECTIVE_FRACTION)
@@ -204,12 +233,30 @@ class OffloadPlan:
     offloaded: rank -> (stage, microbatch) chunks offloaded, in the order they were chosen.
     policy: the policy used (auto resolved, with its ``k``).
     sim: the replay of ``order`` with the planning costs and the policy's lanes.
+    layered: budget mode: (stage, microbatch) -> how many of its layers move (`pp_offload.sim.LayeredChunk`);
+        empty for whole-chunk policies. Pass it to `pp_offload.sim.simulate` to replay ``order``
+        (or use `replay`).
     """
 
     order: dict[int, list[Action]]
     offloaded: dict[int, list[tuple[int, int]]]
     policy: OffloadPolicy
     sim: SimResult | None = field(default=None, repr=False)
+    layered: dict[tuple[int, int], LayeredChunk] = field(default_factory=dict, repr=False)
+
+    def replay(self, costs: Costs | Mapping[str, float] | None = None, **changes: Any) -> SimResult:
+        """Simulate this plan's order again (other ``costs``, e.g. per-stage), as the runtime runs it.
+        ``changes``: `dataclasses.replace` the layered chunks' fields (``layer_copy=0.0``)."""
+        layered = self.layered
+        if changes:
+            layered = {k: replace(v, **changes) for k, v in layered.items()}
+        return simulate(self.order, costs, copy_lanes=self.policy.lanes, layered=layered)
+
+    def moved_layers(self, rank: int) -> dict[tuple[int, int], int]:
+        """Budget mode: layers moved per chunk of ``rank`` (0 for chunks of whole-chunk policies)."""
+        return {
+            key: self.layered[key].moved if key in self.layered else 0 for key in self.offloaded.get(rank, ())
+        }
 
 
 def resolve_offload(value: Any) -> OffloadPolicy:
@@ -231,6 +278,8 @@ def resolve_offload(value: Any) -> OffloadPolicy:
         if text in MODES:
             return OffloadPolicy(text)
         head, sep, tail = text.partition(":")
+        if sep and head.strip() == "budget":
+            return _parse_budget(value, tail.strip())
         if sep and head.strip() == "selective":
             try:
                 fraction = float(tail)
@@ -240,8 +289,8 @@ def resolve_offload(value: Any) -> OffloadPolicy:
                 ) from None
             return OffloadPolicy("selective", fraction=fraction)
         raise ValueError(
-            f"unknown offload setting {value!r}; use 'none', 'full', 'selective', 'selective:<fraction>' "
-            f"or 'auto'"
+            f"unknown offload setting {value!r}; use 'none', 'full', 'selective', 'selective:<fraction>', "
+            f"'auto', 'budget', 'budget:<fraction>' or 'budget:auto:<max slowdown>'"
         )
     if isinstance(value, int) and not isinstance(value, bool):
         raise TypeError(
@@ -263,6 +312,26 @@ def resolve_offload(value: Any) -> OffloadPolicy:
         f"offload must be None, 'none', 'full', 'selective', 'selective:<fraction>', 'auto', a fraction, a "
         f"dict of OffloadPolicy fields or an OffloadPolicy, got {value!r}"
     )
+
+
+def _parse_budget(value: str, tail: str) -> OffloadPolicy:
+    """``budget:<fraction>`` or ``budget:auto:<max_slowdown>``."""
+    head, sep, rest = tail.partition(":")
+    try:
+        if head == "auto":
+            if not sep:
+                return OffloadPolicy("budget")
+            return OffloadPolicy("budget", max_slowdown=float(rest))
+        if sep:
+            raise ValueError
+        return OffloadPolicy("budget", fraction=float(head))
+    except ValueError as e:
+        if "max_slowdown" in str(e) or "fraction" in str(e):
+            raise
+        raise ValueError(
+            f"cannot read offload={value!r}; write 'budget:0.5' (share of each chunk's layers) or "
+            f"'budget:auto:0.1' (as many layers as fit within a 10% slower step)"
+        ) from None
 
 
 def transfer_compute_ratio(
@@ -323,6 +392,9 @@ def plan_offload(
     order: Mapping[int, Iterable[Any]] | Iterable[Iterable[Any]],
     costs: Costs | Mapping[str, float] | None = None,
     policy: Any = "full",
+    *,
+    layers: int | Sequence[int] | Mapping[int, int] | None = None,
+    layer_copy: float | Sequence[float] | Mapping[int, float] | None = None,
 ) -> OffloadPlan:
     """Choose the chunks to offload in ``order`` and insert their OFFLOAD/RELOAD actions.
 
@@ -336,6 +408,11 @@ def plan_offload(
     ``OffloadPolicy.choose``). Each OFFLOAD goes right after its F; each RELOAD at the latest position
     that ends ``reload_margin`` backward passes before the chunk's first backward in the timeline, then
     replayed with the copy lanes and moved earlier while a queued copy still ends too late.
+
+    Budget mode (layer by layer, module doc) needs ``layers``: the number of layers of every stage (one
+    int for all, or per stage index); ``layer_copy``: one layer's one-way copy time in cost units (one
+    number or per stage; default: the chunk's ``costs.transfer`` share of one layer). Whole-chunk modes
+    ignore both, so a caller can pass them whatever the policy.
     """
     compute = _compute_order(order)
     costs = Costs.coerce(costs)
@@ -343,6 +420,8 @@ def plan_offload(
     offloaded: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
     if not policy.enabled:
         return OffloadPlan(compute, offloaded, policy, simulate(compute, costs, copy_lanes=policy.lanes))
+    if policy.mode == "budget":
+        return _plan_budget(compute, costs, policy, layers, layer_copy)
 
     base = simulate(compute, costs)
     num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
@@ -380,6 +459,169 @@ def plan_offload(
     return OffloadPlan(planned, offloaded, policy, result)
 
 
+def _per_stage(value: Any, num_stages: int, name: str, *, integer: bool) -> list[Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        missing = [s for s in range(num_stages) if s not in value]
+        if missing:
+            raise ValueError(
+                f"{name} gives no value for stages {missing}; give one per stage 0..{num_stages - 1}"
+            )
+        values = [value[s] for s in range(num_stages)]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        values = [value] * num_stages
+    else:
+        values = list(value)
+        if len(values) < num_stages:
+            raise ValueError(f"{name} has {len(values)} entries but the order has {num_stages} stages")
+    for v in values:
+        ok = _is_count(v) if integer else (_is_real(v) and v >= 0 and not math.isinf(v))
+        if not ok:
+            what = "an int >= 0 (layers of the stage)" if integer else "a finite number >= 0 (cost units)"
+            raise ValueError(f"every {name} entry must be {what}, got {v!r}")
+    return values
+
+
+def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_copy) -> OffloadPlan:
+    """Budget mode: every chunk moves its earliest layers, as many as ``policy`` allows (module doc)."""
+    num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
+    counts = _per_stage(layers, num_stages, "layers", integer=True)
+    if counts is None:
+        raise ValueError(
+            "offload mode 'budget' moves layers: pass layers= (the number of layers of every stage, one int "
+            "or one per stage) to plan_offload; enable_offload counts them on the stage modules"
+        )
+    copies = _per_stage(layer_copy, num_stages, "layer_copy", integer=False)
+    base = simulate(compute, costs)
+    scale = 2.0 * len(compute) / num_stages
+    chunks: dict[int, list[_Chunk]] = {}
+    for rank in compute:
+        timeline = base.timeline[rank]
+        mine = []
+        for c in _chunks(timeline).values():
+            n = counts[c.key[0]]
+            if n == 0:
+                continue
+            c.layers = n
+            c.layer_copy = copies[c.key[0]] if copies is not None else costs.transfer * scale / n
+            _, b_start, b_end = timeline[c.back_index]
+            c.back_duration = b_end - b_start
+            c.fit = _layers_that_fit(c, c.back_start, policy.reload_margin)
+            mine.append(c)
+        chunks[rank] = mine
+
+    def attempt(cap: int | None) -> tuple[dict, dict, SimResult, dict]:
+        moved: dict[tuple[int, int], LayeredChunk] = {}
+        reloads: dict[int, dict[tuple[int, int], _Chunk]] = {}
+        for rank, mine in chunks.items():
+            reloads[rank] = {}
+            for c in mine:
+                if policy.fraction is not None:
+                    c.moved = min(c.fit, math.floor(policy.fraction * c.layers + 0.5))
+                else:
+                    c.moved = min(c.layers, cap, c.fit)
+                if c.moved == 0:
+                    continue
+                moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copy)
+                c.slot = _layered_slot(c, base.timeline[rank], policy)
+                reloads[rank][c.key] = c
+        planned = _insert(compute, reloads)
+        result = simulate(planned, costs, copy_lanes=policy.lanes, layered=moved)
+        if policy.reload_lead is None:
+            for _ in range(_REFINE_ROUNDS):
+                if not _move_late_layered(result, reloads, policy.reload_margin):
+                    break
+                planned = _insert(compute, reloads)
+                result = simulate(planned, costs, copy_lanes=policy.lanes, layered=moved)
+        offloaded = {r: sorted(reloads[r], key=lambda k: (-moved[k].moved, k)) for r in compute}
+        return planned, offloaded, result, moved
+
+    if policy.fraction is not None:
+        planned, offloaded, result, moved = attempt(None)
+        return OffloadPlan(planned, offloaded, policy, result, moved)
+    limit = base.makespan * (1.0 + policy.max_slowdown) + _EPS
+    top = max((c.fit for mine in chunks.values() for c in mine), default=0)
+    best = None
+    low, high = 1, top  # bisection on the cap of layers per chunk: the largest cap within the slowdown
+    while low <= high:
+        mid = (low + high) // 2
+        found = attempt(mid)
+        if found[2].makespan <= limit:
+            best, low = found, mid + 1
+        else:
+            high = mid - 1
+    if best is None:
+        return OffloadPlan(
+            compute, {r: [] for r in compute}, policy, simulate(compute, costs, copy_lanes=policy.lanes)
+        )
+    planned, offloaded, result, moved = best
+    return OffloadPlan(planned, offloaded, policy, result, moved)
+
+
+def _offload_end(c: _Chunk, k: int) -> float:
+    """When the copy of the chunk's first ``k`` layers ends, each issued at its layer's forward end
+    (idle lane)."""
+    t = c.f_start
+    step = (c.f_end - c.f_start) / c.layers
+    for i in range(k):
+        t = max(c.f_start + (i + 1) * step, t) + c.layer_copy
+    return t
+
+
+def _latest_reload_start(c: _Chunk, k: int, back_start: float, margin: float) -> float:
+    """The latest start of a reload of layers k-1..0 (in that order) that still ends every layer
+    ``margin`` layer-backwards before the backward reaches it."""
+    step = c.back_duration / c.layers
+    return min(
+        back_start + (c.layers - 1 - j) * step - margin * step - (k - j) * c.layer_copy for j in range(k)
+    )
+
+
+def _layers_that_fit(c: _Chunk, back_start: float, margin: float) -> int:
+    """The most layers whose round trip the chunk's window hides with idle copy lanes."""
+    best = 0
+    for k in range(1, c.layers + 1):
+        if _offload_end(c, k) <= _latest_reload_start(c, k, back_start, margin) + _EPS:
+            best = k
+    return best
+
+
+def _layered_slot(c: _Chunk, timeline, policy: OffloadPolicy) -> int:
+    """Budget mode's `_initial_slot`: the latest slot (up to right before the backward, whose later
+    layers hide part of the reload) whose reload starts early enough."""
+    first, last = c.f_index + 1, c.back_index
+    if policy.reload_lead is not None:
+        return max(first, last - policy.reload_lead)
+    offload_end = _offload_end(c, c.moved)
+    latest = _latest_reload_start(c, c.moved, c.back_start, policy.reload_margin)
+    for candidate in range(last, first - 1, -1):
+        if max(timeline[candidate - 1][2], offload_end) <= latest + _EPS:
+            return candidate
+    return first
+
+
+def _move_late_layered(
+    result: SimResult, reloads: dict[int, dict[tuple[int, int], _Chunk]], margin: float
+) -> bool:
+    """Budget mode's `_move_late_reloads`: a RELOAD whose replayed start is later than its layers allow
+    moves one pass earlier."""
+    moved = False
+    for rank, chunks in reloads.items():
+        if not chunks:
+            continue
+        timeline = result.timeline[rank]
+        for action, start, _ in result.transfers[rank]:
+            if action.computation_type != RELOAD:
+                continue
+            c = chunks[(action.stage_index, action.microbatch_index)]
+            back_start = timeline[c.back_index][1]
+            if start > _latest_reload_start(c, c.moved, back_start, margin) + _EPS and c.slot > c.f_index + 1:
+                c.slot -= 1
+                moved = True
+    return moved
+
+
 @dataclass
 class _Chunk:
     """One (stage, microbatch) on its rank: indices into the rank's compute passes and simulated times."""
@@ -393,6 +635,12 @@ class _Chunk:
     free_end: float = -math.inf  # end of W or B, when the activations die
     slot: int = -1  # RELOAD goes right before compute pass `slot`
     reload_start: float = math.inf  # estimated from the compute-only timeline
+    # budget mode: the stage's layers, one layer's copy time, the backward's duration, layers moved
+    layers: int = 0
+    layer_copy: float = 0.0
+    back_duration: float = 0.0
+    fit: int = 0
+    moved: int = 0
 
     @property
     def lifespan(self) -> float:
@@ -624,6 +872,7 @@ def _tuning(policy: OffloadPolicy) -> dict[str, Any]:
         "reload_margin": policy.reload_margin,
         "reload_lead": policy.reload_lead,
         "lanes": policy.lanes,
+        "max_slowdown": policy.max_slowdown,
     }
 
 
