@@ -35,6 +35,10 @@ right after its F, then issues nothing; its RELOAD copies the moved layers back 
 order the backward needs them), and the backward pass runs layer by layer, each layer's share of the
 pass starting no earlier than that layer's reload has ended: the chunk's own backward of its later
 layers hides part of the reload.
+
+A second OFFLOAD of a chunk after its RELOAD (zero-bubble orders, between I and W: W still needs the
+saved tensors) copies nothing: the host copy is still exact, so the device copy is dropped at once; a
+second RELOAD before W copies it back as the first did.
 """
 
 from __future__ import annotations
@@ -370,6 +374,13 @@ def _simulate_with_transfers(
                 layer_ready[key] = [now] * spec.layers
             return
         first = last = None
+        if kind == OFFLOAD and key in reload_end:  # again, after I: the host copy is exact, just drop
+            for i in range(spec.moved):
+                extra[r].append((now, -unit))
+                layer_transfers[r].append((action, i, now, now))
+            offload_end[key] = now
+            transfers[r].append((action, now, now))
+            return
         if kind == OFFLOAD:  # layer i's copy was issued when its forward ended, during the F pass
             f_start, f_end = f_span[key]
             for i in range(spec.moved):
@@ -404,7 +415,11 @@ def _simulate_with_transfers(
                 issue_layered(r, action, kind, (stage, mb), spec, now)
                 i += 1
                 continue
-            if kind == OFFLOAD:
+            if kind == OFFLOAD and (stage, mb) in reload_end:  # again, after I: drop, no copy
+                start = finish = now
+                offload_end[(stage, mb)] = now
+                extra[r].append((now, -scale))
+            elif kind == OFFLOAD:
                 start = max(now, free[0])
                 free[0] = finish = start + copy
                 offload_end[(stage, mb)] = finish

@@ -207,6 +207,9 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 "moved_bytes": sum(layered.values()),
                 "whole_chunks": len(store.last_captured) - len(layered),
                 "planned": sum(schedule.offload.moved.values()),
+                # OFFLOADs beyond one per chunk: chunks dropped between I and W
+                "dropped": sum(a.computation_type == OFFLOAD for a in schedule.offload.plan.order[rank])
+                - len(schedule.offload.plan.offloaded[rank]),
             }
     return out
 
@@ -241,3 +244,54 @@ def test_budget_offload_keeps_losses_and_grads() -> None:
             assert sum(g["planned"] for g in got) > 0, f"{name} {policy}: the plan moves no layer"
             assert sum(g["moved_bytes"] for g in got) > 0, f"{name} {policy}: no layer's bytes moved"
             assert all(g["whole_chunks"] == 0 for g in got), f"{name} {policy}: a whole chunk was captured"
+            if "ZB" in name:  # the I-to-W drop and second reload ran, exactly
+                assert sum(g["dropped"] for g in got) > 0, (
+                    f"{name} {policy}: no chunk dropped between I and W"
+                )
+
+
+def test_offload_after_reload_drops_without_a_copy() -> None:
+    # chunk 0 reloaded for I, dropped after I (no copy: its host copy is exact), reloaded again for W
+    order = {
+        0: [
+            Action(0, "F", 0),
+            Action(0, OFFLOAD, 0),
+            Action(0, "F", 1),
+            Action(0, RELOAD, 0),
+            Action(0, "I", 0),
+            Action(0, OFFLOAD, 0),
+            Action(0, "I", 1),
+            Action(0, RELOAD, 0),
+            Action(0, "W", 0),
+            Action(0, "W", 1),
+        ]
+    }
+    whole = simulate(order, Costs(transfer=0.5))
+    kinds = [(str(a), s, e) for a, s, e in whole.transfers[0]]
+    # passes take 2 (scale 2), copies 1: 0I0 waits for its reload until 5 and ends at 7
+    assert kinds[2] == ("0OFFLOAD0", 7.0, 7.0)  # issued when 0I0 ends, frees at once
+    assert kinds[3] == ("0RELOAD0", 9.0, 10.0)  # issued when 0I1 ends: 0W0 waits 1 for it
+    assert whole.reload_wait[0] == pytest.approx(2.0)
+    assert dict(whole.memory_curve[0])[7.0] == pytest.approx(2.0)  # 0F1's 2 units only
+    layered = simulate(order, Costs(), layered={(0, 0): LayeredChunk(2, 4, layer_copy=0.25)})
+    drops = [(layer, s, e) for a, layer, s, e in layered.layer_transfers[0] if s == e]
+    assert drops == [(0, 6.0, 6.0), (1, 6.0, 6.0)]
+
+
+@pytest.mark.parametrize("name", ["v-zb", "zbv"])
+def test_budget_drops_chunks_between_i_and_w_on_zero_bubble_orders(name: str) -> None:
+    order = ORDERS[name]()
+    costs = Costs(transfer=0.5)
+    with_drop = plan_offload(order, costs, "budget:1", layers=2)
+    without = plan_offload(order, costs, {"mode": "budget", "fraction": 1.0, "drop_after_i": False}, layers=2)
+    twice = 0
+    for rank, actions in with_drop.order.items():
+        for key in with_drop.offloaded[rank]:
+            kinds = [a.computation_type for a in actions if (a.stage_index, a.microbatch_index) == key]
+            if kinds.count(OFFLOAD) == 2:  # F OFFLOAD [RELOAD] I OFFLOAD RELOAD W, in that order
+                twice += 1
+                assert [k for k in kinds if k != RELOAD] == ["F", OFFLOAD, "I", OFFLOAD, "W"]
+                assert kinds.index(RELOAD) < kinds.index("I") and kinds[-2:] == [RELOAD, "W"]
+    assert twice > 0
+    assert with_drop.sim.peak < without.sim.peak
+    assert with_drop.replay(costs).peak == with_drop.sim.peak

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pp_offload.order.actions import OFFLOAD, RELOAD, Action, B, Costs, F, W
+from pp_offload.order.actions import OFFLOAD, RELOAD, Action, B, Costs, F, I, W
 from pp_offload.sim import LayeredChunk, SimResult, flatten, simulate
 
 __all__ = [
@@ -84,6 +84,11 @@ class OffloadPolicy:
     max_slowdown:
         budget without ``fraction``: the largest predicted step-time increase (relative, 0.03 = 3%) the
         cap on moved layers per chunk may cost.
+    drop_after_i:
+        budget, orders with split backward: a chunk whose W runs well after its I leaves the device
+        again in between (W still needs its saved tensors; their host copy is exact, so this OFFLOAD
+        copies nothing) and is reloaded before W, where the gap is longer than the reload. Zero-bubble
+        orders keep every chunk from I to W; this is what lets offload reach that span.
     count:
         selective: number of chunks per rank to offload, instead of a fraction.
     choose:
@@ -125,6 +130,7 @@ class OffloadPolicy:
     lanes: str = "duplex"
     k: float | None = None
     max_slowdown: float = _DEFAULT_MAX_SLOWDOWN
+    drop_after_i: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -168,6 +174,8 @@ class OffloadPolicy:
                 f"offload mode 'budget' moves a share of each chunk's layers: give a fraction, not a count "
                 f"(got count={self.count})"
             )
+        if not isinstance(self.drop_after_i, bool):
+            raise ValueError(f"drop_after_i must be True or False, got {self.drop_after_i!r}")
         if not _is_real(self.max_slowdown) or not 0 <= self.max_slowdown < math.inf:
             raise ValueError(
                 f"max_slowdown must be a finite number >= 0 (relative step-time increase, 0.03 = 3%), "
@@ -498,6 +506,7 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
     chunks: dict[int, list[_Chunk]] = {}
     for rank in compute:
         timeline = base.timeline[rank]
+        w_of = {(st, mb): i for i, ((st, kind, mb), _, _) in enumerate(timeline) if kind == W}
         mine = []
         for c in _chunks(timeline).values():
             n = counts[c.key[0]]
@@ -508,10 +517,12 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
             _, b_start, b_end = timeline[c.back_index]
             c.back_duration = b_end - b_start
             c.fit = _layers_that_fit(c, c.back_start, policy.reload_margin)
+            if timeline[c.back_index][0][1] == I and c.key in w_of:
+                c.i_index, c.w_index = c.back_index, w_of[c.key]
             mine.append(c)
         chunks[rank] = mine
 
-    def attempt(cap: int | None) -> tuple[dict, dict, SimResult, dict]:
+    def attempt(cap: int | None, drop_after_i: bool) -> tuple[dict, dict, SimResult, dict]:
         moved: dict[tuple[int, int], LayeredChunk] = {}
         reloads: dict[int, dict[tuple[int, int], _Chunk]] = {}
         for rank, mine in chunks.items():
@@ -525,6 +536,7 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
                     continue
                 moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copy)
                 c.slot = _layered_slot(c, base.timeline[rank], policy)
+                c.w_slot = _w_slot(c, base.timeline[rank], policy.reload_margin) if drop_after_i else -1
                 reloads[rank][c.key] = c
         planned = _insert(compute, reloads)
         result = simulate(planned, costs, copy_lanes=policy.lanes, layered=moved)
@@ -538,19 +550,24 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
         return planned, offloaded, result, moved
 
     if policy.fraction is not None:
-        planned, offloaded, result, moved = attempt(None)
+        planned, offloaded, result, moved = attempt(None, policy.drop_after_i)
         return OffloadPlan(planned, offloaded, policy, result, moved)
     limit = base.makespan * (1.0 + policy.max_slowdown) + _EPS
     top = max((c.fit for mine in chunks.values() for c in mine), default=0)
     best = None
-    low, high = 1, top  # bisection on the cap of layers per chunk: the largest cap within the slowdown
-    while low <= high:
-        mid = (low + high) // 2
-        found = attempt(mid)
-        if found[2].makespan <= limit:
-            best, low = found, mid + 1
-        else:
-            high = mid - 1
+    # per setting of drop_after_i (its second reloads compete for the host->device lane), bisection on
+    # the cap of layers per chunk: the largest cap within the slowdown; the lower peak of the two wins
+    for drop in (False, True) if policy.drop_after_i else (False,):
+        low, high = 1, top
+        while low <= high:
+            mid = (low + high) // 2
+            found = attempt(mid, drop)
+            if found[2].makespan <= limit:
+                low = mid + 1
+                if best is None or (found[2].peak, found[2].makespan) < (best[2].peak, best[2].makespan):
+                    best = found
+            else:
+                high = mid - 1
     if best is None:
         return OffloadPlan(
             compute, {r: [] for r in compute}, policy, simulate(compute, costs, copy_lanes=policy.lanes)
@@ -569,10 +586,12 @@ def _offload_end(c: _Chunk, k: int) -> float:
     return t
 
 
-def _latest_reload_start(c: _Chunk, k: int, back_start: float, margin: float) -> float:
+def _latest_reload_start(
+    c: _Chunk, k: int, back_start: float, margin: float, duration: float | None = None
+) -> float:
     """The latest start of a reload of layers k-1..0 (in that order) that still ends every layer
-    ``margin`` layer-backwards before the backward reaches it."""
-    step = c.back_duration / c.layers
+    ``margin`` layer-backwards before the backward (of ``duration``, default the first) reaches it."""
+    step = (c.back_duration if duration is None else duration) / c.layers
     return min(
         back_start + (c.layers - 1 - j) * step - margin * step - (k - j) * c.layer_copy for j in range(k)
     )
@@ -605,21 +624,48 @@ def _move_late_layered(
     result: SimResult, reloads: dict[int, dict[tuple[int, int], _Chunk]], margin: float
 ) -> bool:
     """Budget mode's `_move_late_reloads`: a RELOAD whose replayed start is later than its layers allow
-    moves one pass earlier."""
+    moves one pass earlier; a late RELOAD before W that cannot move earlier drops its I-to-W pair."""
     moved = False
     for rank, chunks in reloads.items():
         if not chunks:
             continue
         timeline = result.timeline[rank]
+        seen: set[tuple[int, int]] = set()
         for action, start, _ in result.transfers[rank]:
             if action.computation_type != RELOAD:
                 continue
-            c = chunks[(action.stage_index, action.microbatch_index)]
-            back_start = timeline[c.back_index][1]
-            if start > _latest_reload_start(c, c.moved, back_start, margin) + _EPS and c.slot > c.f_index + 1:
-                c.slot -= 1
+            key = (action.stage_index, action.microbatch_index)
+            c = chunks[key]
+            if key not in seen:  # the first RELOAD, before I (or B)
+                seen.add(key)
+                back_start = timeline[c.back_index][1]
+                if (
+                    start > _latest_reload_start(c, c.moved, back_start, margin) + _EPS
+                    and c.slot > c.f_index + 1
+                ):
+                    c.slot -= 1
+                    moved = True
+                continue
+            _, w_start, w_end = timeline[c.w_index]
+            if start > _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start) + _EPS:
+                c.w_slot = c.w_slot - 1 if c.w_slot > c.i_index + 1 else -1
                 moved = True
     return moved
+
+
+def _w_slot(c: _Chunk, timeline, margin: float) -> int:
+    """Where a chunk dropped after its I is reloaded for its W: the latest slot whose reload still ends
+    in time, if the chunk then stays off the device at least as long as the reload takes; else -1."""
+    if c.i_index < 0 or c.w_index < 0 or c.w_index <= c.i_index + 1:
+        return -1
+    i_end = timeline[c.i_index][2]
+    _, w_start, w_end = timeline[c.w_index]
+    latest = _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start)
+    for slot in range(c.w_index, c.i_index, -1):
+        issue = timeline[slot - 1][2]
+        if issue <= latest + _EPS:
+            return slot if issue - i_end >= c.moved * c.layer_copy - _EPS else -1
+    return -1
 
 
 @dataclass
@@ -641,6 +687,10 @@ class _Chunk:
     back_duration: float = 0.0
     fit: int = 0
     moved: int = 0
+    # budget mode, zero-bubble orders: the I and W passes, and the second RELOAD's slot before W (-1: none)
+    i_index: int = -1
+    w_index: int = -1
+    w_slot: int = -1
 
     @property
     def lifespan(self) -> float:
@@ -831,14 +881,19 @@ def _insert(compute: dict[int, list[Action]], reloads: dict[int, dict[tuple[int,
         before: dict[int, list[_Chunk]] = {}
         for c in chunks.values():
             before.setdefault(c.slot, []).append(c)
-        for group in before.values():
-            group.sort(key=lambda c: c.back_index)
+            if c.w_slot >= 0:  # budget, zero-bubble orders: dropped after I, reloaded before W
+                before.setdefault(c.w_slot, []).append(c)
+        for index, group in before.items():
+            group.sort(key=lambda c: c.back_index if c.slot == index else c.w_index)
+        after_i = {c.i_index: c for c in chunks.values() if c.w_slot >= 0}
         seq: list[Action] = []
         for index, action in enumerate(actions):
             seq.extend(Action(c.key[0], RELOAD, c.key[1]) for c in before.get(index, ()))
             seq.append(action)
             if action.computation_type == F and (action.stage_index, action.microbatch_index) in chunks:
                 # the RELOAD of a chunk whose slot is the next pass still comes after this OFFLOAD
+                seq.append(Action(action.stage_index, OFFLOAD, action.microbatch_index))
+            elif index in after_i:
                 seq.append(Action(action.stage_index, OFFLOAD, action.microbatch_index))
         seq.extend(Action(c.key[0], RELOAD, c.key[1]) for c in before.get(len(actions), ()))
         out[rank] = seq
@@ -873,6 +928,7 @@ def _tuning(policy: OffloadPolicy) -> dict[str, Any]:
         "reload_lead": policy.reload_lead,
         "lanes": policy.lanes,
         "max_slowdown": policy.max_slowdown,
+        "drop_after_i": policy.drop_after_i,
     }
 
 

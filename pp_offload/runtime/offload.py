@@ -123,12 +123,13 @@ def enable_offload(
         if key not in moved:
             store.offload(key)
             return
-        states = store.stats().chunks
-        missing = [
-            i
-            for i in range(moved[key])
-            if states.get((*key, i)) is None or states[(*key, i)].state not in ("offloaded", "offloading")
-        ]
+        parts = [(*key, i) for i in range(moved[key])]
+        states = [store.state(part) for part in parts]
+        if all(state == "reloaded" for state in states):  # after I: drop the device copies until W
+            for part in parts:
+                store.offload(part)
+            return
+        missing = [i for i, state in enumerate(states) if state != "offloaded"]
         if missing:
             raise RuntimeError(
                 f"{action}: layers {missing} of stage {key[0]}, microbatch {key[1]} were planned to move to "
