@@ -4,6 +4,12 @@
 from __future__ import annotations
 
 import functools
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,3 +301,41 @@ def test_budget_drops_chunks_between_i_and_w_on_zero_bubble_orders(name: str) ->
     assert twice > 0
     assert with_drop.sim.peak < without.sim.peak
     assert with_drop.replay(costs).peak == with_drop.sim.peak
+
+
+# --- docs/offload-policies.md: every python block runs as written ----------------------------------------
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "offload-policies.md"
+
+
+def _doc_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("index", range(len(_doc_blocks())))
+def test_doc_blocks_run(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Until tests/test_docs.py runs every docs page: a ``# torchrun --nproc-per-node N x.py`` block runs
+    under torchrun with N CPU ranks, any other block in-process in a temporary directory; each must print."""
+    block = _doc_blocks()[index]
+    first = block.splitlines()[0]
+    launch = re.match(r"# torchrun --nproc-per-node (\d+) (\S+\.py)", first)
+    if launch:
+        script = tmp_path / launch[2]
+        script.write_text(block)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", launch[1]]
+        cmd += ["--master-port", str(_free_port()), str(script)]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out = proc.stdout
+    else:
+        monkeypatch.chdir(tmp_path)
+        exec(compile(block, f"{DOC.name}[{index}]", "exec"), {"__name__": "__main__"})
+        out = capsys.readouterr().out
+    assert out.strip(), f"block {index} printed nothing"

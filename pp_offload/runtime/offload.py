@@ -207,8 +207,8 @@ def _stage_layers(stage: Any) -> list[nn.Module]:
     """The stage's layers, in forward order: its module's largest ``nn.ModuleList``, else the children of
     an ``nn.Sequential`` stage module."""
     module = stage.submod
-    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if lists:
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    if lists:  # may be empty: a stage holding only the LM head moves nothing
         return list(max(lists, key=len))
     if isinstance(module, nn.Sequential) and len(module) > 0:
         return list(module)
