@@ -522,7 +522,7 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
             mine.append(c)
         chunks[rank] = mine
 
-    def attempt(cap: int | None, drop_after_i: bool) -> tuple[dict, dict, SimResult, dict]:
+    def attempt(cap: int | None, drop_after_i: bool, extra: Mapping[int, int] = {}) -> tuple:  # noqa: B006
         moved: dict[tuple[int, int], LayeredChunk] = {}
         reloads: dict[int, dict[tuple[int, int], _Chunk]] = {}
         for rank, mine in chunks.items():
@@ -531,7 +531,9 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
                 if policy.fraction is not None:
                     c.moved = min(c.fit, math.floor(policy.fraction * c.layers + 0.5))
                 else:
-                    c.moved = min(c.layers, cap, c.fit)
+                    c.moved = min(cap, c.fit)
+                    if c.moved > 0:  # a stage's extra layers go to chunks whose window hides one at least
+                        c.moved = min(c.layers, c.moved + extra.get(c.key[0], 0))
                 if c.moved == 0:
                     continue
                 moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copy)
@@ -557,6 +559,7 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
     best = None
     # per setting of drop_after_i (its second reloads compete for the host->device lane), bisection on
     # the cap of layers per chunk: the largest cap within the slowdown; the lower peak of the two wins
+    setting = None
     for drop in (False, True) if policy.drop_after_i else (False,):
         low, high = 1, top
         while low <= high:
@@ -565,15 +568,47 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
             if found[2].makespan <= limit:
                 low = mid + 1
                 if best is None or (found[2].peak, found[2].makespan) < (best[2].peak, best[2].makespan):
-                    best = found
+                    best, setting = found, (mid, drop)
             else:
                 high = mid - 1
+    if best is not None:
+        best = _raise_peak_stages(attempt, best, setting, chunks, limit)
     if best is None:
         return OffloadPlan(
             compute, {r: [] for r in compute}, policy, simulate(compute, costs, copy_lanes=policy.lanes)
         )
     planned, offloaded, result, moved = best
     return OffloadPlan(planned, offloaded, policy, result, moved)
+
+
+def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: int = 24):
+    """Budget auto, second phase: one more layer for every chunk of one stage at a time, on the rank whose
+    peak is highest, longest-lived stages first, kept while the step stays within ``limit`` and the highest
+    peak falls. Why: copy lanes carry a fixed number of layers per step; a uniform cap spends them on
+    every chunk alike, while the peak sits on one rank and the long-lived chunks there gain most."""
+    cap, drop = setting
+    extra: dict[int, int] = {}
+    lifespans: dict[int, dict[int, list[float]]] = {}
+    for rank, mine in chunks.items():
+        for c in mine:
+            lifespans.setdefault(rank, {}).setdefault(c.key[0], []).append(c.lifespan)
+    tries = 0
+    improved = True
+    while improved and tries < max_tries:
+        improved = False
+        sim = best[2]
+        rank = max(sim.peak_memory, key=lambda r: sim.peak_memory[r])
+        stages = sorted(lifespans.get(rank, {}).items(), key=lambda kv: -sum(kv[1]) / len(kv[1]))
+        for stage, _ in stages:
+            if tries >= max_tries:
+                break
+            tries += 1
+            trial = {**extra, stage: extra.get(stage, 0) + 1}
+            found = attempt(cap, drop, trial)
+            if found[2].makespan <= limit and (found[2].peak, found[2].makespan) < (sim.peak, sim.makespan):
+                best, extra, improved = found, trial, True
+                break
+    return best
 
 
 def _offload_end(c: _Chunk, k: int) -> float:

@@ -267,6 +267,7 @@ class PolicyResult:
     offloaded: int  # chunks offloaded (budget: chunks with at least one layer moved)
     chunks: int  # chunks in the order
     offloaded_per_rank: list[int] = field(default_factory=list)
+    moved_layers_per_rank: list[int] = field(default_factory=list)  # budget: layer copies out per rank
     moved_bytes: int = 0  # bytes copied out (and back) over the step
     saved_bytes: int = 0  # bytes all chunks of the step save
 
@@ -363,6 +364,12 @@ def evaluate_orders(
                 offloaded=offloaded,
                 chunks=chunks,
                 offloaded_per_rank=per_rank,
+                moved_layers_per_rank=[
+                    sum(layered[k].moved for k in planned.offloaded.get(r, ()) if k in layered)
+                    for r in sorted(sim.timeline)
+                ]
+                if layered
+                else [],
                 moved_bytes=moved,
                 saved_bytes=saved,
             )

@@ -46,7 +46,7 @@ from pp_offload.order.offload import OffloadPlan, plan_offload, resolve_offload
 from pp_offload.runtime import compat
 from pp_offload.runtime.store import ActivationStore
 
-__all__ = ["OffloadRuntime", "enable_offload"]
+__all__ = ["OffloadRuntime", "enable_offload", "stage_layers"]
 
 _DEFAULT_TRANSFER = 0.5
 """One chunk's one-way copy time in F units when costs give none: the paper's k ~ 1 regime."""
@@ -99,7 +99,7 @@ def enable_offload(
     stages = compat.schedule_stages(schedule)
     layers = None
     if policy.mode == "budget":
-        own = {stage.stage_index: _stage_layers(stage) for stage in stages}
+        own = {stage.stage_index: stage_layers(stage) for stage in stages}
         num_stages = 1 + max(
             a.stage_index for acts in schedule.pipeline_order.values() for a in acts if a is not None
         )
@@ -203,7 +203,7 @@ def _compute_keys(action: Any) -> list[tuple[int, str, int]]:
     return []
 
 
-def _stage_layers(stage: Any) -> list[nn.Module]:
+def stage_layers(stage: Any) -> list[nn.Module]:
     """The stage's layers, in forward order: its module's largest ``nn.ModuleList``, else the children of
     an ``nn.Sequential`` stage module."""
     module = stage.submod
