@@ -271,9 +271,10 @@ def resolve_offload(value: Any) -> OffloadPolicy:
     """Parse a user's ``offload=`` argument.
 
     Accepts ``None``/``False``/``"none"``, ``True``/``"full"``, ``"selective"`` (half the chunks),
-    ``"selective:0.25"``, ``"auto"``, a float fraction in [0, 1] (selective), a dict of `OffloadPolicy`
-    fields (``{"mode": "selective", "count": 2}``; ``mode`` defaults to selective when a fraction or
-    count is given) or an `OffloadPolicy`.
+    ``"selective:0.25"``, ``"auto"``, ``"budget"`` (layer by layer, within 3% step time),
+    ``"budget:0.5"`` (half of each chunk's layers), ``"budget:auto:0.1"`` (within 10%), a float fraction
+    in [0, 1] (selective), a dict of `OffloadPolicy` fields (``{"mode": "selective", "count": 2}``;
+    ``mode`` defaults to selective when a fraction or count is given) or an `OffloadPolicy`.
     """
     if isinstance(value, OffloadPolicy):
         return value
@@ -522,7 +523,8 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
             mine.append(c)
         chunks[rank] = mine
 
-    def attempt(cap: int | None, drop_after_i: bool, extra: Mapping[int, int] = {}) -> tuple:  # noqa: B006
+    def attempt(cap: int | None, drop_after_i: bool, extra: Mapping[int, int] | None = None) -> tuple:
+        extra = extra or {}
         moved: dict[tuple[int, int], LayeredChunk] = {}
         reloads: dict[int, dict[tuple[int, int], _Chunk]] = {}
         for rank, mine in chunks.items():
