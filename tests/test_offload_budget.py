@@ -213,6 +213,9 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 "moved_bytes": sum(layered.values()),
                 "whole_chunks": len(store.last_captured) - len(layered),
                 "planned": sum(schedule.offload.moved.values()),
+                # the store's layer entries are exactly the planned (stage, microbatch, layer) parts
+                "parts_as_planned": set(layered)
+                == {(*key, i) for key, n in schedule.offload.moved.items() for i in range(n)},
                 # OFFLOADs beyond one per chunk: chunks dropped between I and W
                 "dropped": sum(a.computation_type == OFFLOAD for a in schedule.offload.plan.order[rank])
                 - len(schedule.offload.plan.offloaded[rank]),
@@ -250,6 +253,9 @@ def test_budget_offload_keeps_losses_and_grads() -> None:
             assert sum(g["planned"] for g in got) > 0, f"{name} {policy}: the plan moves no layer"
             assert sum(g["moved_bytes"] for g in got) > 0, f"{name} {policy}: no layer's bytes moved"
             assert all(g["whole_chunks"] == 0 for g in got), f"{name} {policy}: a whole chunk was captured"
+            assert all(g["parts_as_planned"] for g in got), (
+                f"{name} {policy}: moved layers differ from the plan"
+            )
             if "ZB" in name:  # the I-to-W drop and second reload ran, exactly
                 assert sum(g["dropped"] for g in got) > 0, (
                     f"{name} {policy}: no chunk dropped between I and W"
