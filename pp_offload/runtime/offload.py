@@ -75,7 +75,9 @@ def enable_offload(
 ) -> OffloadRuntime | None:
     """Offload activations of ``schedule`` (any torch ``_PipelineScheduleRuntime`` schedule) to host memory.
 
-    offload: ``"full"``, ``"selective"``/``"selective:0.25"``/a fraction, ``"auto"``, a dict of
+    offload: ``"full"``, ``"selective"``/``"selective:0.25"``/a fraction, ``"auto"``, ``"budget"``/
+        ``"budget:0.5"``/``"budget:auto:0.1"`` (layer by layer: the stages' modules must hold their layers
+        in an ``nn.ModuleList`` or be ``nn.Sequential``), a dict of
         `pp_offload.order.offload.OffloadPolicy` fields, or a policy; ``None``/``"none"`` does nothing.
     costs: relative F/I/W/comm durations and ``transfer`` (one chunk's copy time one way); default: the
         schedule's own ``costs`` if it has them, else unit costs with ``transfer = 0.5``.
