@@ -11,8 +11,9 @@ Two parts:
 (a) Llama-3-8B (32 layers, h 4096, MLP 14336, vocab 128256, 8 KV heads), H100 preset (21 GB/s host link),
     pp 4, m 16, seq 4096 and 16384 (``--quick``: 4096 only), for V-Half, V-ZB and Interleaved1F1B: no
     offload, the whole-chunk policies (selective:0.5, full) and the budgeted layer-by-layer ones (budget =
-    as many layers as hide within 3% step time, budget:auto:0.1 within 10%, and fixed shares of each
-    chunk's layers). Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%.
+    as many layers as hide within 3% step time, budget:auto:0.1 within 10%, fixed shares of each
+    chunk's layers, and budget:no-IW-drop = budget without leaving the device between I and W).
+    Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%.
 (b) Llama-3-70B (80 layers, h 8192, MLP 28672), seq 8192, H100, pp 4, 8, 16 (``--quick``: 4, 8), m = 2 pp:
     V-Half and Interleaved1F1B without offload and with the best policy within +10% step time. Target: that
     peak stays flat from pp 4 to pp 16. And (a)'s 8B rows on the GH200 preset (NVLink-C2C, 450 GB/s), where
@@ -63,7 +64,10 @@ LLAMA_70B = {
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB", "ScheduleInterleaved1F1B")
 SHORT = {"ScheduleVHalf": "V-Half", "ScheduleVZB": "V-ZB", "ScheduleInterleaved1F1B": "Interleaved1F1B"}
 OLD = ("selective:0.5", "full")
-NEW = ("budget", "budget:auto:0.1", "budget:0.25", "budget:0.5", "budget:1")
+NEW = ("budget", "budget:auto:0.1", "budget:0.25", "budget:0.5", "budget:1", "budget:no-IW-drop")
+# zero-bubble orders keep a chunk from I to W: the same budget without dropping it in between, to measure
+# what the I-to-W drop buys
+VARIANTS = {"budget:no-IW-drop": {"mode": "budget", "drop_after_i": False}}
 TARGETS = ((0.03, 0.30), (0.10, 0.50))  # (max slowdown, min peak cut)
 
 
@@ -106,7 +110,7 @@ def evaluate(config: dict, *, machine: str, seq: int, pp: int, m: int, schedule:
     rows = []
     for policy in ("none", *policies):
         start = time.perf_counter()
-        summary = combine(evaluate_orders(setup, orders, policy), m)
+        summary = combine(evaluate_orders(setup, orders, VARIANTS.get(policy, policy)), m)
         rows.append(
             {
                 "schedule": SHORT.get(schedule, schedule),
