@@ -25,6 +25,20 @@ passes). OFFLOAD frees the chunk's device memory when its copy ends; RELOAD star
 ended, takes device memory back when it starts, and the chunk's I/B/W cannot start before it ends (the
 wait is reported per rank in ``reload_wait`` and lengthens the makespan). Memory curves and peaks are
 then the *device-resident* activation memory.
+
+Layer-granular offload (``layered``): a chunk listed there moves only its first ``moved`` of its stage's
+``layers`` layers (earliest first: their backward comes last), one copy per layer, each taking
+``layer_copy`` (default: the chunk's ``costs.transfer`` share of one layer). The copy of layer ``i`` is
+issued when that layer's forward ends, i.e. at ``i + 1`` layers' share of the F pass (the runtime starts it
+from a forward hook on the layer), and frees that layer's memory when it ends. The chunk's OFFLOAD action,
+right after its F, then issues nothing; its RELOAD copies the moved layers back last layer first (the
+order the backward needs them), and the backward pass runs layer by layer, each layer's share of the
+pass starting no earlier than that layer's reload has ended: the chunk's own backward of its later
+layers hides part of the reload.
+
+A second OFFLOAD of a chunk after its RELOAD (zero-bubble orders, between I and W: W still needs the
+saved tensors) copies nothing: the host copy is still exact, so the device copy is dropped at once; a
+second RELOAD before W copies it back as the first did.
 """
 
 from __future__ import annotations
@@ -88,6 +102,29 @@ def dependency(stage: int, kind: str, mb: int, num_stages: int) -> tuple[int, st
     return (stage, I, mb)  # W
 
 
+@dataclass(frozen=True)
+class LayeredChunk:
+    """How a chunk offloads layer by layer (see the module doc): its first ``moved`` of ``layers`` layers,
+    each copy one way taking ``layer_copy`` cost units (None: the chunk's one-way copy time over
+    ``layers``). ``moved = 0`` means the chunk's transfers move nothing."""
+
+    moved: int
+    layers: int
+    layer_copy: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"layers must be an int >= 1 (the stage's layers), got {self.layers!r}")
+        if (
+            isinstance(self.moved, bool)
+            or not isinstance(self.moved, int)
+            or not 0 <= self.moved <= self.layers
+        ):
+            raise ValueError(f"moved must be an int in [0, layers={self.layers}], got {self.moved!r}")
+        if self.layer_copy is not None and not self.layer_copy >= 0:
+            raise ValueError(f"layer_copy must be a number >= 0 (cost units), got {self.layer_copy!r}")
+
+
 @dataclass
 class SimResult:
     """What one replay of an order measured. Times are in cost units, memory in chunk units."""
@@ -101,6 +138,9 @@ class SimResult:
     """rank -> (OFFLOAD/RELOAD action, copy start, copy end), in issue order; empty without offload."""
     reload_wait: dict[int, float] = field(default_factory=dict)
     """rank -> time its compute stream waited for reloads that ended after the pass could have started."""
+    layer_transfers: dict[int, list[tuple[Any, int, float, float]]] = field(default_factory=dict, repr=False)
+    """rank -> (OFFLOAD/RELOAD action, layer, copy start, copy end) of layered chunks, one per layer copy;
+    their ``transfers`` entry spans the first copy's start to the last copy's end."""
 
     @property
     def total_reload_wait(self) -> float:
@@ -132,13 +172,16 @@ def simulate(
     costs: Costs | Mapping[str, float] | None = None,
     *,
     copy_lanes: str = "duplex",
+    layered: Mapping[tuple[int, int], LayeredChunk] | None = None,
 ) -> SimResult:
     """Replay ``order`` (rank -> actions) with ``costs`` and measure time and memory.
 
     ``copy_lanes`` matters only for orders with OFFLOAD/RELOAD actions: ``"duplex"`` gives every rank
     one copy lane per direction (device->host and host->device run at the same time), ``"shared"``
-    one lane for both. Raises `OrderDeadlockError` naming the stuck actions if the order can't
-    complete, and `OffloadOrderError` naming the chunk if OFFLOAD/RELOAD actions are misplaced.
+    one lane for both. ``layered``: (stage, microbatch) -> `LayeredChunk` for chunks offloaded layer by
+    layer (module doc); other offloaded chunks move whole. Raises `OrderDeadlockError` naming the stuck
+    actions if the order can't complete, and `OffloadOrderError` naming the chunk if OFFLOAD/RELOAD
+    actions are misplaced.
     """
     if copy_lanes not in _COPY_LANES:
         raise ValueError(f"copy_lanes must be 'duplex' or 'shared', got {copy_lanes!r}")
@@ -157,7 +200,7 @@ def simulate(
     duration = _durations(passes, costs, scale, num_stages)
     if any(found.values()):
         return _simulate_with_transfers(
-            ranks, passes, found, deps, duration, costs, scale, rank_of_stage, copy_lanes
+            ranks, passes, found, deps, duration, costs, scale, rank_of_stage, copy_lanes, dict(layered or {})
         )
     end: dict[tuple[int, str, int], float] = {}
     producer_rank: dict[tuple[int, str, int], int] = {}
@@ -290,7 +333,9 @@ def _check_transfers(rank: int, passes, transfers) -> None:
             state[key] = "freed"
 
 
-def _simulate_with_transfers(ranks, passes, found, deps, duration, costs, scale, rank_of_stage, lanes):
+def _simulate_with_transfers(
+    ranks, passes, found, deps, duration, costs, scale, rank_of_stage, lanes, layered
+):
     """`simulate`'s replay for orders with OFFLOAD/RELOAD: the same compute model plus copy lanes."""
     for r in ranks:
         _check_transfers(r, passes[r], found[r])
@@ -309,13 +354,72 @@ def _simulate_with_transfers(ranks, passes, found, deps, duration, costs, scale,
     h2d = 0 if lanes == "shared" else 1
     offload_end: dict[tuple[int, int], float] = {}
     reload_end: dict[tuple[int, int], float] = {}
+    layer_ready: dict[tuple[int, int], list[float]] = {}  # layered: per layer, when its reload ends
+    f_span: dict[tuple[int, int], tuple[float, float]] = {}
+    layer_transfers: dict[int, list] = {r: [] for r in ranks}
+
+    def layer_copy(spec: LayeredChunk) -> float:
+        return copy / spec.layers if spec.layer_copy is None else spec.layer_copy
+
+    def issue_layered(
+        r: int, action, kind: str, key: tuple[int, int], spec: LayeredChunk, now: float
+    ) -> None:
+        free, c, unit = lane[r], layer_copy(spec), scale / spec.layers
+        if spec.moved == 0:
+            transfers[r].append((action, now, now))
+            if kind == OFFLOAD:
+                offload_end[key] = now
+            else:
+                reload_end[key] = now
+                layer_ready[key] = [now] * spec.layers
+            return
+        first = last = None
+        if kind == OFFLOAD and key in reload_end:  # again, after I: the host copy is exact, just drop
+            for i in range(spec.moved):
+                extra[r].append((now, -unit))
+                layer_transfers[r].append((action, i, now, now))
+            offload_end[key] = now
+            transfers[r].append((action, now, now))
+            return
+        if kind == OFFLOAD:  # layer i's copy was issued when its forward ended, during the F pass
+            f_start, f_end = f_span[key]
+            for i in range(spec.moved):
+                start = max(f_start + (i + 1) * (f_end - f_start) / spec.layers, free[0])
+                free[0] = finish = start + c
+                extra[r].append((finish, -unit))
+                layer_transfers[r].append((action, i, start, finish))
+                first = start if first is None else first
+                last = finish
+            offload_end[key] = last
+        else:  # last moved layer first: the backward needs it first
+            ready = [now] * spec.layers
+            for i in range(spec.moved - 1, -1, -1):
+                start = max(now, free[h2d], offload_end[key])
+                free[h2d] = finish = start + c
+                extra[r].append((start, unit))
+                layer_transfers[r].append((action, i, start, finish))
+                ready[i] = finish
+                first = start if first is None else first
+                last = finish
+            reload_end[key] = last
+            layer_ready[key] = ready
+        transfers[r].append((action, first, last))
 
     def issue(r: int) -> None:
         """Issue rank r's transfers that sit before its next compute pass, at its compute clock."""
         todo, i, now, free = found[r], tpos[r], clock[r], lane[r]
         while i < len(todo) and todo[i][0] == pos[r]:
             _, action, kind, stage, mb = todo[i]
-            if kind == OFFLOAD:
+            spec = layered.get((stage, mb))
+            if spec is not None:
+                issue_layered(r, action, kind, (stage, mb), spec, now)
+                i += 1
+                continue
+            if kind == OFFLOAD and (stage, mb) in reload_end:  # again, after I: drop, no copy
+                start = finish = now
+                offload_end[(stage, mb)] = now
+                extra[r].append((now, -scale))
+            elif kind == OFFLOAD:
                 start = max(now, free[0])
                 free[0] = finish = start + copy
                 offload_end[(stage, mb)] = finish
@@ -344,16 +448,30 @@ def _simulate_with_transfers(ranks, passes, found, deps, duration, costs, scale,
                         break
                     ready = max(ready, end[dep] + (costs.comm if producer_rank[dep] != r else 0.0))
                 start = ready
+                finish = None
                 if kind != F:
-                    reloaded = reload_end.get((stage, mb))
-                    if reloaded is not None and reloaded > ready:
-                        start = reloaded
-                        wait[r] += reloaded - ready
-                finish = start + duration[r][pos[r]]
+                    ready_layers = layer_ready.get((stage, mb))
+                    if ready_layers is not None:  # layer by layer, last layer first
+                        n = len(ready_layers)
+                        step = duration[r][pos[r]] / n
+                        t = ready
+                        for layer in range(n - 1, -1, -1):
+                            t = max(t, ready_layers[layer]) + step
+                        finish = t
+                        wait[r] += finish - (ready + duration[r][pos[r]])
+                    else:
+                        reloaded = reload_end.get((stage, mb))
+                        if reloaded is not None and reloaded > ready:
+                            start = reloaded
+                            wait[r] += reloaded - ready
+                if finish is None:
+                    finish = start + duration[r][pos[r]]
                 key = (stage, I if kind == B else kind, mb)
                 end[key] = finish
                 producer_rank[key] = r
                 timeline[r].append(((stage, kind, mb), start, finish))
+                if kind == F:
+                    f_span[(stage, mb)] = (start, finish)
                 clock[r] = finish
                 pos[r] += 1
                 remaining -= 1
@@ -365,12 +483,12 @@ def _simulate_with_transfers(ranks, passes, found, deps, duration, costs, scale,
     for r in ranks:
         issue(r)
 
-    busy = {r: sum(e - s for _, s, e in timeline[r]) for r in ranks}
+    busy = {r: sum(duration[r]) for r in ranks}  # a layered backward's span includes its reload waits
     curves, peaks = {}, {}
     for r in ranks:
         curves[r], peaks[r] = _memory(timeline[r], scale, extra[r])
     makespan = max(clock.values())
-    return SimResult(makespan, busy, peaks, timeline, curves, transfers, wait)
+    return SimResult(makespan, busy, peaks, timeline, curves, transfers, wait, layer_transfers)
 
 
 def as_executed_by_torch(order: Mapping[int, Iterable[Any]]) -> dict[int, list[Any]]:

@@ -256,3 +256,21 @@ def test_measure_step_on_two_gloo_ranks() -> None:
     assert 0 < meas.comm < 0.05
     decision = choose(meas, num_microbatches=4)
     assert decision.costs["F"] == pytest.approx(F_S * 1e3, rel=0.25)
+
+
+def test_budget_offload_wins_when_whole_chunks_cannot_hide() -> None:
+    """Copies of 2 passes per chunk (k = 1.3) and 4 layers per stage: budget offload moves layers where
+    whole chunks gain nothing in time, so V-ZB fits 80% of 1F1B's memory with it and beats V-Half."""
+    meas = Measurement.uniform(
+        4, F=0.010, I=0.010, W=0.010, saved_bytes=4 * MiB, offload=0.02, comm=0.0005, layers=4
+    )
+    picks = {"num_microbatches": 8, "memory_limit": 0.8, "schedules": ["ScheduleVZB", "ScheduleVHalf"]}
+    whole = choose(meas, offload=["none", "selective:0.5", "full"], **picks)
+    decision = choose(meas, **picks)  # the defaults include "budget"
+    assert "budget" in DEFAULT_OFFLOAD
+    assert decision.schedule == "ScheduleVZB" and decision.offload == "budget"
+    assert decision.predicted_step_s < whole.predicted_step_s
+    # without layer counts, budget offload has nothing to move
+    blind = dataclasses.replace(meas, stages=tuple(dataclasses.replace(s, layers=0) for s in meas.stages))
+    blind_pick = choose(blind, offload=["budget"], **{**picks, "memory_limit": None})
+    assert blind_pick.candidates[0].offloaded_share == 0

@@ -1,9 +1,10 @@
 """Hybrid pipeline x FSDP2 on CPU (gloo): 4 processes, pp 2 x dp 2, must compute what one process computes.
 
 One spawn runs every schedule (our V-Min, V-Half, V-ZB, torch's ZBVZeroBubble and Interleaved1F1B), each
-without and with full activation offload, on a tiny Llama with a tied embedding / LM head (V placement puts
-both ends on pipeline rank 0: the replicated-weight path; loop placement puts them on different pipeline
-ranks: two sharded ends whose local gradient shards are summed over the pipeline group), plus HSDP, bf16
+without offload, with full activation offload and with budget offload (layer by layer), on a tiny Llama
+with a tied embedding / LM head (V placement puts both ends on pipeline rank 0: the replicated-weight path;
+loop placement puts them on different pipeline ranks: two sharded ends whose local gradient shards are
+summed over the pipeline group), plus HSDP, bf16
 and per-layer activation checkpointing under offload. Each data-parallel rank takes its half of the global
 batch; the loss is the token cross entropy over the global target count, so the step's loss summed over dp
 and every parameter's full gradient must equal one process running the unsplit model on the whole batch.
@@ -44,7 +45,7 @@ SCHEDULES = (
     "ScheduleZBVZeroBubble",
     "ScheduleInterleaved1F1B",
 )
-OFFLOADS = (None, "full")
+OFFLOADS = (None, "full", "budget:1")  # budget: each stage moves its one decoder layer
 AC_SCHEDULES = ("ScheduleVHalf", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B")
 LR = 0.5  # large, so that a step taken with a wrong gradient or a stale parameter shows
 RTOL, ATOL = 1e-5, 1e-6  # fp32: the pipelined run sums microbatches and dp ranks in another order

@@ -288,6 +288,8 @@ def test_extrapolated_step_time_matches_the_exact_replay(monkeypatch):
 
 # --- planning -------------------------------------------------------------------------------------------
 
+WHOLE_CHUNK = ("none", "selective:0.25", "selective:0.5", "full")
+
 
 def test_plan_ranks_fits_first_then_time():
     # a fast host link, so offload lowers memory; a limit that only some candidates meet
@@ -301,9 +303,11 @@ def test_plan_ranks_fits_first_then_time():
         gpu_memory_gib=0.96,  # below the peak of the fastest candidate (per-stage times rank them)
         reserve_gib=0.0,
         evaluate_dominated=True,
+        offload=WHOLE_CHUNK,
     )
     evaluated = [c for c in result.candidates if c.evaluated]
-    assert len(evaluated) == 9 * 4
+    assert len(evaluated) == 9 * 4 - 3  # Schedule1F1B (single-stage) gets no offload rows
+    assert all(c.offload == "none" for c in result.candidates if c.schedule == "Schedule1F1B" and c.evaluated)
     keys = [(not c.fits, c.step_time) for c in evaluated]
     fits = [k[0] for k in keys]
     assert fits == sorted(fits)
@@ -325,6 +329,32 @@ def test_plan_ranks_fits_first_then_time():
     for name in ("ScheduleVMin", "ScheduleDualPipeV", "Schedule1F1B", "ScheduleInterleavedZeroBubble"):
         assert name in text
     json.dumps(result.to_dict())
+
+
+def test_plan_budget_offload_wins_where_whole_chunks_cannot_fit():
+    """Same setting with the default policies: layer-granular budget offload makes the fastest schedule fit
+    (whole-chunk offload could not), and it is recommended; useless offload rows are never recommended."""
+    result = plan(
+        SMALL_LLAMA,
+        **QUICK,
+        num_microbatches=8,
+        pp=4,
+        machine="A100",
+        host_bandwidth=200e9,
+        gpu_memory_gib=0.96,
+        reserve_gib=0.0,
+        schedules=["ScheduleInterleavedZeroBubble", "ScheduleVHalf", "Schedule1F1B"],
+    )
+    best = result.recommended
+    assert best.schedule == "ScheduleInterleavedZeroBubble" and best.offload.startswith("budget")
+    assert best.moved_share > 0 and best.useless is None
+    plain = result.candidate("ScheduleInterleavedZeroBubble")
+    assert not plain.fits and best.activation_peak < plain.activation_peak
+    assert all(c.useless is None for c in [best])
+    for c in result.candidates:
+        if c.useless is not None:
+            assert c is not best
+            assert c.offloaded_share == 0 or c.activation_peak >= result.candidate(c.schedule).activation_peak
 
 
 def test_plan_activation_ordering_and_ratios():
@@ -510,7 +540,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert "recommended:" in text and "ScheduleVHalf" in text and "fits" in text
     assert png.stat().st_size > 10_000
     data = json.loads(out.read_text())
-    assert data["recommended"] and len(data["candidates"]) == 9 * 4
+    assert data["recommended"] and len(data["candidates"]) == 9 * 6  # skipped rows listed too
     assert data["settings"]["pp"] == 2 and data["settings"]["gpu_memory_gib"] == 4
 
 

@@ -135,7 +135,8 @@ def _pretrained_gpt2(where: Path, cache: str) -> dict:
 def test_gpt2_loop_placement_and_offload(tmp_path: Path, cache: str) -> None:
     """Interleaved-1F1B puts GPT-2's tied embedding and head on different ranks, each rank reading only
     its own tensors of a pretrained checkpoint (meta skeleton + safetensors by name); V-Min offloads
-    fully. Both equal one process (which loads the whole checkpoint with from_pretrained)."""
+    fully; V-Half moves GPT-2's layers (``h``) one by one (budget offload). All equal one process (which
+    loads the whole checkpoint with from_pretrained)."""
     pretrained = _pretrained_gpt2(tmp_path / "pretrained", cache)
     from pp_offload.models.loading import check_checkpoint, empty_model
 
@@ -145,10 +146,22 @@ def test_gpt2_loop_placement_and_offload(tmp_path: Path, cache: str) -> None:
     offload = _config(
         tmp_path / "offload", schedule="ScheduleVMin", steps=3, pipeline__offload="full", output__export=False
     )
-    gpt2_losses, offload_losses = run_on_ranks(_worker, 2, [gpt2, offload], cache, timeout=240)[0]
+    budget = _config(
+        tmp_path / "budget",
+        schedule="ScheduleVHalf",
+        steps=3,
+        pipeline__offload="budget:1",
+        output__export=False,
+    )
+    budget["model"] = pretrained
+    gpt2_losses, offload_losses, budget_losses = run_on_ranks(
+        _worker, 2, [gpt2, offload, budget], cache, timeout=240
+    )[0]
     reference = _config(tmp_path / "gpt2_ref", steps=3, output__export=False)
     reference["model"] = pretrained
-    _matches_one_process(gpt2_losses, _run(reference, cache))
+    reference_losses = _run(reference, cache)
+    _matches_one_process(gpt2_losses, reference_losses)
+    _matches_one_process(budget_losses, reference_losses)
     offload_reference = _config(tmp_path / "offload_ref", steps=3, output__export=False)
     _matches_one_process(offload_losses, _run(offload_reference, cache))
 

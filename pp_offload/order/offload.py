@@ -21,6 +21,16 @@ with `pp_offload.sim.simulate`, and inserts ``OFFLOAD``/``RELOAD`` actions:
 
 A transfer is *issued* where it sits: when the compute pass before it ends (see `pp_offload.sim`).
 
+Budgeted, layer-granular offload (``mode="budget"``): whole chunks are all or nothing, and at real model
+sizes (a transfer/compute ratio k of 4-7 on PCIe hosts) no whole chunk fits its forward-to-backward
+window, so nothing moves. A budget moves part of *every* chunk: its earliest layers (their backward comes
+last), each layer's copy starting as soon as that layer's forward has produced its tensors, and reloaded
+last layer first so the chunk's own backward of its later layers hides part of the reload (the
+simulator's ``layered`` model, `pp_offload.sim.LayeredChunk`; the runtime does the same from hooks on
+the stage's layers). ``fraction`` fixes the share of each chunk's layers; without it (``"budget"``) each
+chunk moves as many layers as its window hides with idle copy lanes, under a cap on layers per chunk
+raised as long as the replayed step stays within ``max_slowdown`` of the order without offload.
+
 Entry points: `resolve_offload` (parse the user's ``offload=`` argument into an `OffloadPolicy`) and
 `plan_offload` (policy + order + costs -> `OffloadPlan`). `transfer_compute_ratio`, `auto_offload` and
 `auto_from_measurements` give the ``auto`` mode its ratio ``k``.
@@ -30,12 +40,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pp_offload.order.actions import OFFLOAD, RELOAD, Action, B, Costs, F, W
-from pp_offload.sim import SimResult, flatten, simulate
+from pp_offload.order.actions import OFFLOAD, RELOAD, Action, B, Costs, F, I, W
+from pp_offload.sim import LayeredChunk, SimResult, flatten, simulate
 
 __all__ = [
     "OffloadPlan",
@@ -47,10 +57,11 @@ __all__ = [
     "transfer_compute_ratio",
 ]
 
-MODES = ("none", "full", "selective", "auto")
+MODES = ("none", "full", "selective", "auto", "budget")
 LANES = ("duplex", "shared")
 CHOICES = ("peak", "lifespan")
 _DEFAULT_SELECTIVE_FRACTION = 0.5
+_DEFAULT_MAX_SLOWDOWN = 0.03
 _REFINE_ROUNDS = 32
 _EPS = 1e-9
 
@@ -62,10 +73,22 @@ class OffloadPolicy:
     mode:
         ``"none"`` keeps everything on the device; ``"full"`` offloads every chunk that gains from it;
         ``"selective"`` offloads a share of each rank's chunks (see ``choose``); ``"auto"`` picks the
-        share from the transfer/compute ratio ``k`` (see `auto_offload`).
+        share from the transfer/compute ratio ``k`` (see `auto_offload`); ``"budget"`` moves part of
+        every chunk, layer by layer (module doc).
     fraction:
         selective (or resolved auto): share of each rank's chunks to offload, in [0, 1], rounded to the
-        nearest count. Selective without ``fraction`` or ``count`` means 0.5.
+        nearest count. Selective without ``fraction`` or ``count`` means 0.5. Budget: share of each
+        chunk's layers to move (rounded to the nearest layer, earliest layers first; never more than the
+        chunk's forward-to-backward window hides with idle copy lanes, so a chunk whose backward follows
+        its forward moves nothing); None: as many as each chunk's window hides, within ``max_slowdown``.
+    max_slowdown:
+        budget without ``fraction``: the largest predicted step-time increase (relative, 0.03 = 3%) the
+        cap on moved layers per chunk may cost.
+    drop_after_i:
+        budget, orders with split backward: a chunk whose W runs well after its I leaves the device
+        again in between (W still needs its saved tensors; their host copy is exact, so this OFFLOAD
+        copies nothing) and is reloaded before W, where the gap is longer than the reload. Zero-bubble
+        orders keep every chunk from I to W; this is what lets offload reach that span.
     count:
         selective: number of chunks per rank to offload, instead of a fraction.
     choose:
@@ -106,6 +129,8 @@ class OffloadPolicy:
     reload_lead: int | None = None
     lanes: str = "duplex"
     k: float | None = None
+    max_slowdown: float = _DEFAULT_MAX_SLOWDOWN
+    drop_after_i: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -143,6 +168,18 @@ class OffloadPolicy:
             raise ValueError(
                 f"offload mode {self.mode!r} takes no fraction or count (got fraction={self.fraction}, "
                 f"count={self.count}); use mode='selective' to offload a share of the chunks"
+            )
+        if self.mode == "budget" and self.count is not None:
+            raise ValueError(
+                f"offload mode 'budget' moves a share of each chunk's layers: give a fraction, not a count "
+                f"(got count={self.count})"
+            )
+        if not isinstance(self.drop_after_i, bool):
+            raise ValueError(f"drop_after_i must be True or False, got {self.drop_after_i!r}")
+        if not _is_real(self.max_slowdown) or not 0 <= self.max_slowdown < math.inf:
+            raise ValueError(
+                f"max_slowdown must be a finite number >= 0 (relative step-time increase, 0.03 = 3%), "
+                f"got {self.max_slowdown!r}"
             )
         if self.mode == "selective" and self.fraction is None and self.count is None:
             object.__setattr__(self, "fraction", _DEFAULT_SELECTIVE_FRACTION)
@@ -204,21 +241,40 @@ class OffloadPlan:
     offloaded: rank -> (stage, microbatch) chunks offloaded, in the order they were chosen.
     policy: the policy used (auto resolved, with its ``k``).
     sim: the replay of ``order`` with the planning costs and the policy's lanes.
+    layered: budget mode: (stage, microbatch) -> how many of its layers move (`pp_offload.sim.LayeredChunk`);
+        empty for whole-chunk policies. Pass it to `pp_offload.sim.simulate` to replay ``order``
+        (or use `replay`).
     """
 
     order: dict[int, list[Action]]
     offloaded: dict[int, list[tuple[int, int]]]
     policy: OffloadPolicy
     sim: SimResult | None = field(default=None, repr=False)
+    layered: dict[tuple[int, int], LayeredChunk] = field(default_factory=dict, repr=False)
+
+    def replay(self, costs: Costs | Mapping[str, float] | None = None, **changes: Any) -> SimResult:
+        """Simulate this plan's order again (other ``costs``, e.g. per-stage), as the runtime runs it.
+        ``changes``: `dataclasses.replace` the layered chunks' fields (``layer_copy=0.0``)."""
+        layered = self.layered
+        if changes:
+            layered = {k: replace(v, **changes) for k, v in layered.items()}
+        return simulate(self.order, costs, copy_lanes=self.policy.lanes, layered=layered)
+
+    def moved_layers(self, rank: int) -> dict[tuple[int, int], int]:
+        """Budget mode: layers moved per chunk of ``rank`` (0 for chunks of whole-chunk policies)."""
+        return {
+            key: self.layered[key].moved if key in self.layered else 0 for key in self.offloaded.get(rank, ())
+        }
 
 
 def resolve_offload(value: Any) -> OffloadPolicy:
     """Parse a user's ``offload=`` argument.
 
     Accepts ``None``/``False``/``"none"``, ``True``/``"full"``, ``"selective"`` (half the chunks),
-    ``"selective:0.25"``, ``"auto"``, a float fraction in [0, 1] (selective), a dict of `OffloadPolicy`
-    fields (``{"mode": "selective", "count": 2}``; ``mode`` defaults to selective when a fraction or
-    count is given) or an `OffloadPolicy`.
+    ``"selective:0.25"``, ``"auto"``, ``"budget"`` (layer by layer, within 3% step time),
+    ``"budget:0.5"`` (half of each chunk's layers), ``"budget:auto:0.1"`` (within 10%), a float fraction
+    in [0, 1] (selective), a dict of `OffloadPolicy` fields (``{"mode": "selective", "count": 2}``;
+    ``mode`` defaults to selective when a fraction or count is given) or an `OffloadPolicy`.
     """
     if isinstance(value, OffloadPolicy):
         return value
@@ -231,6 +287,8 @@ def resolve_offload(value: Any) -> OffloadPolicy:
         if text in MODES:
             return OffloadPolicy(text)
         head, sep, tail = text.partition(":")
+        if sep and head.strip() == "budget":
+            return _parse_budget(value, tail.strip())
         if sep and head.strip() == "selective":
             try:
                 fraction = float(tail)
@@ -240,8 +298,8 @@ def resolve_offload(value: Any) -> OffloadPolicy:
                 ) from None
             return OffloadPolicy("selective", fraction=fraction)
         raise ValueError(
-            f"unknown offload setting {value!r}; use 'none', 'full', 'selective', 'selective:<fraction>' "
-            f"or 'auto'"
+            f"unknown offload setting {value!r}; use 'none', 'full', 'selective', 'selective:<fraction>', "
+            f"'auto', 'budget', 'budget:<fraction>' or 'budget:auto:<max slowdown>'"
         )
     if isinstance(value, int) and not isinstance(value, bool):
         raise TypeError(
@@ -263,6 +321,26 @@ def resolve_offload(value: Any) -> OffloadPolicy:
         f"offload must be None, 'none', 'full', 'selective', 'selective:<fraction>', 'auto', a fraction, a "
         f"dict of OffloadPolicy fields or an OffloadPolicy, got {value!r}"
     )
+
+
+def _parse_budget(value: str, tail: str) -> OffloadPolicy:
+    """``budget:<fraction>`` or ``budget:auto:<max_slowdown>``."""
+    head, sep, rest = tail.partition(":")
+    try:
+        if head == "auto":
+            if not sep:
+                return OffloadPolicy("budget")
+            return OffloadPolicy("budget", max_slowdown=float(rest))
+        if sep:
+            raise ValueError
+        return OffloadPolicy("budget", fraction=float(head))
+    except ValueError as e:
+        if "max_slowdown" in str(e) or "fraction" in str(e):
+            raise
+        raise ValueError(
+            f"cannot read offload={value!r}; write 'budget:0.5' (share of each chunk's layers) or "
+            f"'budget:auto:0.1' (as many layers as fit within a 10% slower step)"
+        ) from None
 
 
 def transfer_compute_ratio(
@@ -323,6 +401,9 @@ def plan_offload(
     order: Mapping[int, Iterable[Any]] | Iterable[Iterable[Any]],
     costs: Costs | Mapping[str, float] | None = None,
     policy: Any = "full",
+    *,
+    layers: int | Sequence[int] | Mapping[int, int] | None = None,
+    layer_copy: float | Sequence[float] | Mapping[int, float] | None = None,
 ) -> OffloadPlan:
     """Choose the chunks to offload in ``order`` and insert their OFFLOAD/RELOAD actions.
 
@@ -336,6 +417,11 @@ def plan_offload(
     ``OffloadPolicy.choose``). Each OFFLOAD goes right after its F; each RELOAD at the latest position
     that ends ``reload_margin`` backward passes before the chunk's first backward in the timeline, then
     replayed with the copy lanes and moved earlier while a queued copy still ends too late.
+
+    Budget mode (layer by layer, module doc) needs ``layers``: the number of layers of every stage (one
+    int for all, or per stage index); ``layer_copy``: one layer's one-way copy time in cost units (one
+    number or per stage; default: the chunk's ``costs.transfer`` share of one layer). Whole-chunk modes
+    ignore both, so a caller can pass them whatever the policy.
     """
     compute = _compute_order(order)
     costs = Costs.coerce(costs)
@@ -343,6 +429,8 @@ def plan_offload(
     offloaded: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
     if not policy.enabled:
         return OffloadPlan(compute, offloaded, policy, simulate(compute, costs, copy_lanes=policy.lanes))
+    if policy.mode == "budget":
+        return _plan_budget(compute, costs, policy, layers, layer_copy)
 
     base = simulate(compute, costs)
     num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
@@ -380,6 +468,243 @@ def plan_offload(
     return OffloadPlan(planned, offloaded, policy, result)
 
 
+def _per_stage(value: Any, num_stages: int, name: str, *, integer: bool) -> list[Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        missing = [s for s in range(num_stages) if s not in value]
+        if missing:
+            raise ValueError(
+                f"{name} gives no value for stages {missing}; give one per stage 0..{num_stages - 1}"
+            )
+        values = [value[s] for s in range(num_stages)]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        values = [value] * num_stages
+    else:
+        values = list(value)
+        if len(values) < num_stages:
+            raise ValueError(f"{name} has {len(values)} entries but the order has {num_stages} stages")
+    for v in values:
+        ok = _is_count(v) if integer else (_is_real(v) and v >= 0 and not math.isinf(v))
+        if not ok:
+            what = "an int >= 0 (layers of the stage)" if integer else "a finite number >= 0 (cost units)"
+            raise ValueError(f"every {name} entry must be {what}, got {v!r}")
+    return values
+
+
+def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_copy) -> OffloadPlan:
+    """Budget mode: every chunk moves its earliest layers, as many as ``policy`` allows (module doc)."""
+    num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
+    counts = _per_stage(layers, num_stages, "layers", integer=True)
+    if counts is None:
+        raise ValueError(
+            "offload mode 'budget' moves layers: pass layers= (the number of layers of every stage, one int "
+            "or one per stage) to plan_offload; enable_offload counts them on the stage modules"
+        )
+    copies = _per_stage(layer_copy, num_stages, "layer_copy", integer=False)
+    base = simulate(compute, costs)
+    scale = 2.0 * len(compute) / num_stages
+    chunks: dict[int, list[_Chunk]] = {}
+    for rank in compute:
+        timeline = base.timeline[rank]
+        w_of = {(st, mb): i for i, ((st, kind, mb), _, _) in enumerate(timeline) if kind == W}
+        mine = []
+        for c in _chunks(timeline).values():
+            n = counts[c.key[0]]
+            if n == 0:
+                continue
+            c.layers = n
+            c.layer_copy = copies[c.key[0]] if copies is not None else costs.transfer * scale / n
+            _, b_start, b_end = timeline[c.back_index]
+            c.back_duration = b_end - b_start
+            c.fit = _layers_that_fit(c, c.back_start, policy.reload_margin)
+            if timeline[c.back_index][0][1] == I and c.key in w_of:
+                c.i_index, c.w_index = c.back_index, w_of[c.key]
+            mine.append(c)
+        chunks[rank] = mine
+
+    def attempt(cap: int | None, drop_after_i: bool, extra: Mapping[int, int] | None = None) -> tuple:
+        extra = extra or {}
+        moved: dict[tuple[int, int], LayeredChunk] = {}
+        reloads: dict[int, dict[tuple[int, int], _Chunk]] = {}
+        for rank, mine in chunks.items():
+            reloads[rank] = {}
+            for c in mine:
+                if policy.fraction is not None:
+                    c.moved = min(c.fit, math.floor(policy.fraction * c.layers + 0.5))
+                else:
+                    c.moved = min(cap, c.fit)
+                    if c.moved > 0:  # a stage's extra layers go to chunks whose window hides one at least
+                        c.moved = min(c.layers, c.moved + extra.get(c.key[0], 0))
+                if c.moved == 0:
+                    continue
+                moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copy)
+                c.slot = _layered_slot(c, base.timeline[rank], policy)
+                c.w_slot = _w_slot(c, base.timeline[rank], policy.reload_margin) if drop_after_i else -1
+                reloads[rank][c.key] = c
+        planned = _insert(compute, reloads)
+        result = simulate(planned, costs, copy_lanes=policy.lanes, layered=moved)
+        if policy.reload_lead is None:
+            for _ in range(_REFINE_ROUNDS):
+                if not _move_late_layered(result, reloads, policy.reload_margin):
+                    break
+                planned = _insert(compute, reloads)
+                result = simulate(planned, costs, copy_lanes=policy.lanes, layered=moved)
+        offloaded = {r: sorted(reloads[r], key=lambda k: (-moved[k].moved, k)) for r in compute}
+        return planned, offloaded, result, moved
+
+    if policy.fraction is not None:
+        planned, offloaded, result, moved = attempt(None, policy.drop_after_i)
+        return OffloadPlan(planned, offloaded, policy, result, moved)
+    limit = base.makespan * (1.0 + policy.max_slowdown) + _EPS
+    top = max((c.fit for mine in chunks.values() for c in mine), default=0)
+    best = None
+    # per setting of drop_after_i (its second reloads compete for the host->device lane), bisection on
+    # the cap of layers per chunk: the largest cap within the slowdown; the lower peak of the two wins
+    setting = None
+    for drop in (False, True) if policy.drop_after_i else (False,):
+        low, high = 1, top
+        while low <= high:
+            mid = (low + high) // 2
+            found = attempt(mid, drop)
+            if found[2].makespan <= limit:
+                low = mid + 1
+                if best is None or (found[2].peak, found[2].makespan) < (best[2].peak, best[2].makespan):
+                    best, setting = found, (mid, drop)
+            else:
+                high = mid - 1
+    if best is not None:
+        best = _raise_peak_stages(attempt, best, setting, chunks, limit)
+    if best is None:
+        return OffloadPlan(
+            compute, {r: [] for r in compute}, policy, simulate(compute, costs, copy_lanes=policy.lanes)
+        )
+    planned, offloaded, result, moved = best
+    return OffloadPlan(planned, offloaded, policy, result, moved)
+
+
+def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: int = 24):
+    """Budget auto, second phase: one more layer for every chunk of one stage at a time, on the rank whose
+    peak is highest, longest-lived stages first, kept while the step stays within ``limit`` and the highest
+    peak falls. Why: copy lanes carry a fixed number of layers per step; a uniform cap spends them on
+    every chunk alike, while the peak sits on one rank and the long-lived chunks there gain most."""
+    cap, drop = setting
+    extra: dict[int, int] = {}
+    lifespans: dict[int, dict[int, list[float]]] = {}
+    for rank, mine in chunks.items():
+        for c in mine:
+            lifespans.setdefault(rank, {}).setdefault(c.key[0], []).append(c.lifespan)
+    tries = 0
+    improved = True
+    while improved and tries < max_tries:
+        improved = False
+        sim = best[2]
+        rank = max(sim.peak_memory, key=lambda r: sim.peak_memory[r])
+        stages = sorted(lifespans.get(rank, {}).items(), key=lambda kv: -sum(kv[1]) / len(kv[1]))
+        for stage, _ in stages:
+            if tries >= max_tries:
+                break
+            tries += 1
+            trial = {**extra, stage: extra.get(stage, 0) + 1}
+            found = attempt(cap, drop, trial)
+            if found[2].makespan <= limit and (found[2].peak, found[2].makespan) < (sim.peak, sim.makespan):
+                best, extra, improved = found, trial, True
+                break
+    return best
+
+
+def _offload_end(c: _Chunk, k: int) -> float:
+    """When the copy of the chunk's first ``k`` layers ends, each issued at its layer's forward end
+    (idle lane)."""
+    t = c.f_start
+    step = (c.f_end - c.f_start) / c.layers
+    for i in range(k):
+        t = max(c.f_start + (i + 1) * step, t) + c.layer_copy
+    return t
+
+
+def _latest_reload_start(
+    c: _Chunk, k: int, back_start: float, margin: float, duration: float | None = None
+) -> float:
+    """The latest start of a reload of layers k-1..0 (in that order) that still ends every layer
+    ``margin`` layer-backwards before the backward (of ``duration``, default the first) reaches it."""
+    step = (c.back_duration if duration is None else duration) / c.layers
+    return min(
+        back_start + (c.layers - 1 - j) * step - margin * step - (k - j) * c.layer_copy for j in range(k)
+    )
+
+
+def _layers_that_fit(c: _Chunk, back_start: float, margin: float) -> int:
+    """The most layers whose round trip the chunk's window hides with idle copy lanes."""
+    best = 0
+    for k in range(1, c.layers + 1):
+        if _offload_end(c, k) <= _latest_reload_start(c, k, back_start, margin) + _EPS:
+            best = k
+    return best
+
+
+def _layered_slot(c: _Chunk, timeline, policy: OffloadPolicy) -> int:
+    """Budget mode's `_initial_slot`: the latest slot (up to right before the backward, whose later
+    layers hide part of the reload) whose reload starts early enough."""
+    first, last = c.f_index + 1, c.back_index
+    if policy.reload_lead is not None:
+        return max(first, last - policy.reload_lead)
+    offload_end = _offload_end(c, c.moved)
+    latest = _latest_reload_start(c, c.moved, c.back_start, policy.reload_margin)
+    for candidate in range(last, first - 1, -1):
+        if max(timeline[candidate - 1][2], offload_end) <= latest + _EPS:
+            return candidate
+    return first
+
+
+def _move_late_layered(
+    result: SimResult, reloads: dict[int, dict[tuple[int, int], _Chunk]], margin: float
+) -> bool:
+    """Budget mode's `_move_late_reloads`: a RELOAD whose replayed start is later than its layers allow
+    moves one pass earlier; a late RELOAD before W that cannot move earlier drops its I-to-W pair."""
+    moved = False
+    for rank, chunks in reloads.items():
+        if not chunks:
+            continue
+        timeline = result.timeline[rank]
+        seen: set[tuple[int, int]] = set()
+        for action, start, _ in result.transfers[rank]:
+            if action.computation_type != RELOAD:
+                continue
+            key = (action.stage_index, action.microbatch_index)
+            c = chunks[key]
+            if key not in seen:  # the first RELOAD, before I (or B)
+                seen.add(key)
+                back_start = timeline[c.back_index][1]
+                if (
+                    start > _latest_reload_start(c, c.moved, back_start, margin) + _EPS
+                    and c.slot > c.f_index + 1
+                ):
+                    c.slot -= 1
+                    moved = True
+                continue
+            _, w_start, w_end = timeline[c.w_index]
+            if start > _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start) + _EPS:
+                c.w_slot = c.w_slot - 1 if c.w_slot > c.i_index + 1 else -1
+                moved = True
+    return moved
+
+
+def _w_slot(c: _Chunk, timeline, margin: float) -> int:
+    """Where a chunk dropped after its I is reloaded for its W: the latest slot whose reload still ends
+    in time, if the chunk then stays off the device at least as long as the reload takes; else -1."""
+    if c.i_index < 0 or c.w_index < 0 or c.w_index <= c.i_index + 1:
+        return -1
+    i_end = timeline[c.i_index][2]
+    _, w_start, w_end = timeline[c.w_index]
+    latest = _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start)
+    for slot in range(c.w_index, c.i_index, -1):
+        issue = timeline[slot - 1][2]
+        if issue <= latest + _EPS:
+            return slot if issue - i_end >= c.moved * c.layer_copy - _EPS else -1
+    return -1
+
+
 @dataclass
 class _Chunk:
     """One (stage, microbatch) on its rank: indices into the rank's compute passes and simulated times."""
@@ -393,6 +718,16 @@ class _Chunk:
     free_end: float = -math.inf  # end of W or B, when the activations die
     slot: int = -1  # RELOAD goes right before compute pass `slot`
     reload_start: float = math.inf  # estimated from the compute-only timeline
+    # budget mode: the stage's layers, one layer's copy time, the backward's duration, layers moved
+    layers: int = 0
+    layer_copy: float = 0.0
+    back_duration: float = 0.0
+    fit: int = 0
+    moved: int = 0
+    # budget mode, zero-bubble orders: the I and W passes, and the second RELOAD's slot before W (-1: none)
+    i_index: int = -1
+    w_index: int = -1
+    w_slot: int = -1
 
     @property
     def lifespan(self) -> float:
@@ -583,14 +918,19 @@ def _insert(compute: dict[int, list[Action]], reloads: dict[int, dict[tuple[int,
         before: dict[int, list[_Chunk]] = {}
         for c in chunks.values():
             before.setdefault(c.slot, []).append(c)
-        for group in before.values():
-            group.sort(key=lambda c: c.back_index)
+            if c.w_slot >= 0:  # budget, zero-bubble orders: dropped after I, reloaded before W
+                before.setdefault(c.w_slot, []).append(c)
+        for index, group in before.items():
+            group.sort(key=lambda c: c.back_index if c.slot == index else c.w_index)
+        after_i = {c.i_index: c for c in chunks.values() if c.w_slot >= 0}
         seq: list[Action] = []
         for index, action in enumerate(actions):
             seq.extend(Action(c.key[0], RELOAD, c.key[1]) for c in before.get(index, ()))
             seq.append(action)
             if action.computation_type == F and (action.stage_index, action.microbatch_index) in chunks:
                 # the RELOAD of a chunk whose slot is the next pass still comes after this OFFLOAD
+                seq.append(Action(action.stage_index, OFFLOAD, action.microbatch_index))
+            elif index in after_i:
                 seq.append(Action(action.stage_index, OFFLOAD, action.microbatch_index))
         seq.extend(Action(c.key[0], RELOAD, c.key[1]) for c in before.get(len(actions), ()))
         out[rank] = seq
@@ -624,6 +964,8 @@ def _tuning(policy: OffloadPolicy) -> dict[str, Any]:
         "reload_margin": policy.reload_margin,
         "reload_lead": policy.reload_lead,
         "lanes": policy.lanes,
+        "max_slowdown": policy.max_slowdown,
+        "drop_after_i": policy.drop_after_i,
     }
 
 

@@ -18,7 +18,7 @@ import sys
 import types
 from typing import Any
 
-from pp_offload.plan.machines import A100, H100, H200, MACHINES, Machine, resolve_machine
+from pp_offload.plan.machines import A100, GH200, H100, H200, MACHINES, Machine, resolve_machine
 from pp_offload.plan.model import ModelSpec, model_spec
 from pp_offload.plan.planner import Candidate, PlanError, PlanResult, plan
 from pp_offload.plan.split import balanced_split
@@ -26,6 +26,7 @@ from pp_offload.plan.split import balanced_split
 __all__ = [
     "A100",
     "H100",
+    "GH200",
     "H200",
     "MACHINES",
     "Candidate",

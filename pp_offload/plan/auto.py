@@ -78,7 +78,7 @@ DEFAULT_SCHEDULES = (
     "ScheduleInterleaved1F1B",
     "ScheduleZBVZeroBubble",
 )
-DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full")
+DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full", "budget")
 _TIE = 0.01
 _MS = 1e3
 _MiB = float(1 << 20)
@@ -350,10 +350,15 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
         stages=stage_pass_costs([st.times for st in stages], lay, floor=floor),
     )
     zero = StateBytes(0, 0, 0)
+    # budget offload: per layer, the smallest measured bytes per layer (stages with the embedding or the
+    # head carry extras that are not layers) and the slowest measured copy per layer
+    with_layers = [st for st in measurement.stages if st.layers > 0]
+    layer_bytes = min((st.saved_bytes // st.layers for st in with_layers), default=0)
+    layer_copy = max((max(st.offload, st.reload) / st.layers for st in with_layers), default=0.0) * _MS
     return Setup(
         schedule,
         lay,
-        [0] * n,
+        [st.layers for st in measurement.stages],
         stages,
         costs,
         [zero] * d,
@@ -361,6 +366,8 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
         [0] * d,
         0,
         problem=microbatch_problem(schedule, d, m),
+        layer_bytes=layer_bytes,
+        layer_copy=layer_copy,
     )
 
 
@@ -376,8 +383,12 @@ def _judge(
     if not measurement.copies_overlap:
         # synchronous copies run on the compute thread: the busiest rank's copies lengthen the step
         last = results[-1]
-        per_rank = max(last.offloaded_per_rank, default=0) * m / last.size
-        step_ms += 2.0 * setup.costs.transfer * setup.layout.chunks_per_stage * per_rank
+        if last.moved_layers_per_rank:  # budget: layer copies
+            per_rank = max(last.moved_layers_per_rank) * m / last.size
+            step_ms += 2.0 * setup.layer_copy * per_rank
+        else:
+            per_rank = max(last.offloaded_per_rank, default=0) * m / last.size
+            step_ms += 2.0 * setup.costs.transfer * setup.layout.chunks_per_stage * per_rank
     peaks = [int(p) for p in combined["activation"]]
     fits = budget is None or all(p <= b for p, b in zip(peaks, budget, strict=True))
     return AutoCandidate(

@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="POLICY",
-        help="offload policies (default: none selective:0.25 selective:0.5 full)",
+        help="offload policies (default: none selective:0.25 selective:0.5 full budget budget:auto:0.1)",
     )
     p.add_argument(
         "--search",

@@ -20,7 +20,9 @@ The steps, for each schedule:
 4. memory: the simulator's timeline is replayed once more with each stage's real bytes: a chunk's saved
    tensors from the start of its F to the end of its W (B), its output and the loss's tensors until its
    input-gradient pass ends, offloaded tensors off the device from the end of their OFFLOAD to the start
-   of their RELOAD. The peak of that curve is the rank's activation memory (the chunk-unit peak of the same
+   of their RELOAD (budget offload: each moved layer's bytes from the end of its own copy out to the
+   start of its own copy back, `pp_offload.sim.LayeredChunk`; one layer's copy takes its bytes over the
+   host bandwidth). The peak of that curve is the rank's activation memory (the chunk-unit peak of the same
    replay is the simulator's own);
 5. large m: orders are built for ``m`` microbatches when ``m <= 4 * pp``; above, for ``2 * pp`` and
    ``3 * pp``, and the step time is extrapolated linearly from those two (every schedule has reached its
@@ -45,6 +47,7 @@ from pp_offload.plan.memory import (
     Precision,
     StateBytes,
     chunk_activation,
+    layer_activation_bytes,
     recv_buffer_bytes,
     stage_params,
     state_bytes,
@@ -85,6 +88,14 @@ class Setup:
     memory_cap: float | None = None  # adaptive: chunk units per rank
     memory_limit: float | None = None  # adaptive: fraction of 1F1B's peak
     problem: str | None = None
+    layer_bytes: int = (
+        0  # one decoder layer's saved bytes per microbatch (what budget offload moves per layer)
+    )
+    layer_copy: float = 0.0  # seconds to copy one layer's saved bytes one way
+
+    def layered_args(self) -> dict[str, Any]:
+        """`plan_offload`'s ``layers``/``layer_copy`` for budget offload on this setup's stages."""
+        return {"layers": list(self.layers), "layer_copy": self.layer_copy}
 
     def static(self, rank: int) -> int:
         """Bytes of ``rank`` that do not depend on the order: state, receive buffers, transient, reserve."""
@@ -175,6 +186,7 @@ def setup_schedule(
                 for st in held
             )
         )
+    per_layer = layer_activation_bytes(spec, precision, microbatch_size=microbatch_size, seq_len=seq_len)
     problem = microbatch_problem(schedule, pp, num_microbatches, virtual_stages=virtual_stages)
     empty = [s for s in range(1, n - 1) if layers[s] == 0]
     if problem is None and empty:
@@ -182,7 +194,20 @@ def setup_schedule(
             f"{spec.num_layers} layers cannot fill {n} stages ({lay.placement} placement on {pp} ranks): "
             f"stage {empty[0]} would hold no layer"
         )
-    return Setup(schedule, lay, layers, stages, costs, state, recv, transient, reserve, problem=problem)
+    return Setup(
+        schedule,
+        lay,
+        layers,
+        stages,
+        costs,
+        state,
+        recv,
+        transient,
+        reserve,
+        problem=problem,
+        layer_bytes=per_layer,
+        layer_copy=transfer_seconds(per_layer, machine),
+    )
 
 
 def chunk_pass_times(times: list[PassTimes], lay: Layout) -> PassTimes:
@@ -239,9 +264,12 @@ class PolicyResult:
     peak_units: list[float]
     activation: list[int]  # peak activation bytes per rank
     reload_wait: float
-    offloaded: int  # chunks offloaded
+    offloaded: int  # chunks offloaded (budget: chunks with at least one layer moved)
     chunks: int  # chunks in the order
     offloaded_per_rank: list[int] = field(default_factory=list)
+    moved_layers_per_rank: list[int] = field(default_factory=list)  # budget: layer copies out per rank
+    moved_bytes: int = 0  # bytes copied out (and back) over the step
+    saved_bytes: int = 0  # bytes all chunks of the step save
 
 
 @dataclass
@@ -294,11 +322,13 @@ def evaluate_orders(
     results = []
     for size in orders.sizes:
         order = orders.orders[size]
+        layered: dict = {}
         if resolved.enabled:
-            planned = plan_offload(order, scalar_costs(setup.costs), resolved)
+            planned = plan_offload(order, scalar_costs(setup.costs), resolved, **setup.layered_args())
+            layered = planned.layered
             sim = planned.sim
             if setup.costs.stages is not None:  # planned as at run time, timed per stage
-                sim = simulate(planned.order, setup.costs, copy_lanes=planned.policy.lanes)
+                sim = planned.replay(setup.costs)
             per_rank = [len(planned.offloaded.get(r, ())) for r in sorted(sim.timeline)]
         else:
             sim = simulate(order, setup.costs)
@@ -306,27 +336,51 @@ def evaluate_orders(
         memory_sim = sim
         if synchronous_copies and resolved.enabled:
             instant = dataclasses.replace(setup.costs, transfer=0.0)
-            memory_sim = simulate(planned.order, instant, copy_lanes=resolved.lanes)
+            memory_sim = planned.replay(instant, layer_copy=0.0)
         offloaded = sum(per_rank)
         chunks = sum(1 for tl in sim.timeline.values() for (_, kind, _), _, _ in tl if kind == F)
+        saved = sum(
+            setup.stages[stage].activation.saved
+            for tl in sim.timeline.values()
+            for (stage, kind, _), _, _ in tl
+            if kind == F
+        )
+        if layered:
+            moved = sum(c.moved * setup.layer_bytes for c in layered.values())
+        elif resolved.enabled:
+            moved = sum(
+                setup.stages[s].activation.saved for r in planned.offloaded for s, _ in planned.offloaded[r]
+            )
+        else:
+            moved = 0
         results.append(
             PolicyResult(
                 size=size,
                 makespan=sim.makespan,
                 busy=max(sim.busy.values()),
                 peak_units=[sim.peak_memory[r] for r in sorted(sim.peak_memory)],
-                activation=activation_peaks(memory_sim, setup),
+                activation=activation_peaks(memory_sim, setup, layered=layered),
                 reload_wait=sim.total_reload_wait,
                 offloaded=offloaded,
                 chunks=chunks,
                 offloaded_per_rank=per_rank,
+                moved_layers_per_rank=[
+                    sum(layered[k].moved for k in planned.offloaded.get(r, ()) if k in layered)
+                    for r in sorted(sim.timeline)
+                ]
+                if layered
+                else [],
+                moved_bytes=moved,
+                saved_bytes=saved,
             )
         )
     return results
 
 
-def activation_peaks(sim: Any, setup: Setup) -> list[int]:
-    """Per rank, the peak of the activation bytes over the simulated timeline (see the module doc, 4)."""
+def activation_peaks(sim: Any, setup: Setup, *, layered: Any = None) -> list[int]:
+    """Per rank, the peak of the activation bytes over the simulated timeline (see the module doc, 4).
+    ``layered``: the plan's layer-by-layer chunks (their per-layer copies move ``setup.layer_bytes``)."""
+    layered = layered or {}
     peaks = []
     for rank in sorted(sim.timeline):
         events: list[tuple[float, int]] = []
@@ -340,7 +394,12 @@ def activation_peaks(sim: Any, setup: Setup) -> list[int]:
                 events.append((finish, -act.saved))
             elif kind == B:
                 events.append((finish, -act.total))
+        for action, _, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
+            kind = str(getattr(action.computation_type, "value", action.computation_type))
+            events.append((finish, -setup.layer_bytes) if kind == OFFLOAD else (start, setup.layer_bytes))
         for action, start, finish in sim.transfers.get(rank, []):
+            if (int(action.stage_index), int(action.microbatch_index)) in layered:
+                continue  # counted per layer above
             saved = setup.stages[int(action.stage_index)].activation.saved
             kind = str(getattr(action.computation_type, "value", action.computation_type))
             if kind == OFFLOAD:
@@ -375,6 +434,7 @@ def combine(results: list[PolicyResult], num_microbatches: int) -> dict[str, Any
         "activation": activation,
         "reload_wait": last.reload_wait,
         "offloaded_share": last.offloaded / last.chunks if last.chunks else 0.0,
+        "moved_share": last.moved_bytes / last.saved_bytes if last.saved_bytes else 0.0,
         "extrapolated": len(results) > 1,
     }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-__all__ = ["A100", "H100", "H200", "MACHINES", "Machine", "resolve_machine"]
+__all__ = ["A100", "GH200", "H100", "H200", "MACHINES", "Machine", "resolve_machine"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,21 @@ H200 = Machine(
 """H200 SXM 141GB: H100's compute (NVIDIA H200 datasheet) with 141 GB of HBM3e. The host and network
 links are assumed to be those of the H100 preset (same PCIe Gen5 / NDR platforms; not measured)."""
 
-MACHINES: dict[str, Machine] = {m.name: m for m in (A100, H100, H200)}
+GH200 = Machine(
+    name="GH200",
+    flops=989e12,
+    tf32_flops=495e12,
+    host_bandwidth=450e9,
+    p2p_bandwidth=50e9,
+    memory_gib=96.0,
+)
+"""GH200 Grace Hopper Superchip (96 GB HBM3 version): H100's compute (989 TFLOP/s bf16 dense, NVIDIA GH200
+datasheet) and a host link of NVLink-C2C, 900 GB/s total bidirectional per the datasheet, i.e. 450 GB/s
+per direction to the Grace CPU's LPDDR5X: ~20x the PCIe presets, so activation offload should be nearly
+free. Spec-sheet figure, not a measurement (measured copy rates are lower; pass ``host_bandwidth``);
+50 GB/s between stages as for the H100 preset (one 400 Gb/s NDR NIC per GPU)."""
+
+MACHINES: dict[str, Machine] = {m.name: m for m in (A100, H100, H200, GH200)}
 
 
 def resolve_machine(
@@ -111,9 +125,9 @@ def resolve_machine(
     mfu: float | None = None,
     p2p_bandwidth: float | None = None,
 ) -> Machine:
-    """A preset by name (case-insensitive: ``"A100"``, ``"H100"``, ``"H200"``) or a `Machine`, with the given
-    fields replaced. ``flops`` replaces the peak of the training dtype (bf16 and TF32 alike), in FLOP/s;
-    ``host_bandwidth`` and ``p2p_bandwidth`` are bytes/s."""
+    """A preset by name (case-insensitive: ``"A100"``, ``"H100"``, ``"H200"``, ``"GH200"``) or a `Machine`,
+    with the given fields replaced. ``flops`` replaces the peak of the training dtype (bf16 and TF32
+    alike), in FLOP/s; ``host_bandwidth`` and ``p2p_bandwidth`` are bytes/s."""
     if isinstance(machine, Machine):
         base = machine
     elif isinstance(machine, str):

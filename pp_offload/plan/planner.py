@@ -47,7 +47,9 @@ from pp_offload.plan.orders import SCHEDULES, canonical_schedule, resolve_search
 __all__ = ["DEFAULT_OFFLOAD", "Candidate", "PlanError", "PlanResult", "plan"]
 
 GIB = 1 << 30
-DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full")
+DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full", "budget", "budget:auto:0.1")
+SINGLE_STAGE = ("Schedule1F1B", "ScheduleGPipe")
+"""torch's single-stage schedules: they run on torch's older executor, which cannot take OFFLOAD/RELOAD."""
 _TIE = 1e-6
 
 
@@ -81,10 +83,14 @@ class Candidate:
     fits: bool = False
     over_bytes: int = 0
     offloaded_share: float = 0.0
+    moved_share: float = 0.0
     reload_wait: float = 0.0
     extrapolated: bool = False
     error: str | None = None
     skipped: str | None = None
+    useless: str | None = None
+    """Why this offload candidate is never recommended: it moves nothing, or it costs step time without
+    lowering the activation peak below the same schedule without offload."""
 
     @property
     def evaluated(self) -> bool:
@@ -208,7 +214,10 @@ def plan(
         ``host_bandwidth`` (bytes/s per direction), ``mfu`` override its fields.
     dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (parameters and activations; AdamW state in fp32).
     schedules: names (default: all of ours and torch's: `pp_offload.plan.orders.SCHEDULES`).
-    offload: policies (default ``none``, ``selective:0.25``, ``selective:0.5``, ``full``).
+    offload: policies (default ``none``, ``selective:0.25``, ``selective:0.5``, ``full``, ``budget`` (as many
+        layers per chunk as hide within 3% step time), ``budget:auto:0.1`` (within 10%)). Offload
+        candidates that move nothing, or cost time without lowering the activation peak, are marked
+        (``Candidate.useless``) and never recommended; torch's single-stage schedules get no offload rows.
     dp_shard: optimizer state and master weights sharded over ``dp`` (ZeRO-1/2, FSDP2 under PP).
     virtual_stages: stages per rank of torch's interleaved (loop) schedules.
     search: ``"full"``, ``"fast"`` or ``"auto"`` (`pp_offload.plan.orders`).
@@ -304,7 +313,8 @@ def plan(
         schedules=details,
         assumptions=_assumptions(spec, prec.name, mode, dp, dp_shard),
     )
-    fitting = [c for c in ranked if c.evaluated and c.fits]
+    _mark_useless(ranked)
+    fitting = [c for c in ranked if c.evaluated and c.fits and c.useless is None]
     if fitting:
         result.recommended = fitting[0]
         aliases = {n: d["same_orders_as"] for n, d in details.items() if d.get("same_orders_as")}
@@ -337,6 +347,26 @@ def plan(
     raise PlanError(message, result)
 
 
+def _mark_useless(candidates: list[Candidate]) -> None:
+    """Flag offload candidates that are the plain schedule at a cost (`Candidate.useless`)."""
+    plain = {c.name: c for c in candidates if c.offload == "none" and c.evaluated}
+    for c in candidates:
+        if c.offload == "none" or not c.evaluated:
+            continue
+        if c.offloaded_share == 0:
+            c.useless = "moves nothing: no chunk's forward-to-backward window hides a copy out and back"
+            continue
+        base = plain.get(c.name)
+        if base is None or base.step_time is None or c.step_time is None:
+            continue
+        slower = c.step_time > base.step_time * (1 + _TIE)
+        if slower and c.activation_peak >= base.activation_peak:
+            c.useless = (
+                f"{100 * (c.step_time / base.step_time - 1):+.1f}% step time for no lower activation peak "
+                f"({c.activation_peak / GIB:.1f} GiB, as without offload)"
+            )
+
+
 def _schedule_names(schedules: Iterable[str] | None) -> list[str]:
     if schedules is None:
         return list(SCHEDULES)
@@ -353,7 +383,7 @@ def _schedule_names(schedules: Iterable[str] | None) -> list[str]:
 
 
 def _policies(offload: Iterable[Any] | None) -> list[tuple[str, Any]]:
-    from pp_offload.order.offload import resolve_offload
+    from pp_offload.order.offload import OffloadPolicy, resolve_offload
 
     if offload is None:
         offload = DEFAULT_OFFLOAD
@@ -371,6 +401,13 @@ def _policies(offload: Iterable[Any] | None) -> list[tuple[str, Any]]:
             label = "none"
         elif policy.mode == "full":
             label = "full"
+        elif policy.mode == "budget":
+            if policy.fraction is not None:
+                label = f"budget:{policy.fraction:g}"
+            elif policy.max_slowdown == OffloadPolicy().max_slowdown:
+                label = "budget"
+            else:
+                label = f"budget:auto:{policy.max_slowdown:g}"
         elif policy.count is not None:
             label = f"selective:{policy.count} chunks"
         else:
@@ -480,6 +517,8 @@ def _evaluate_schedule(
         cand = Candidate(setup.schedule, label, memory_limit=setup.memory_limit)
         if error is not None:
             cand.error = error
+        elif label != "none" and setup.schedule in SINGLE_STAGE:
+            cand.skipped = "single-stage torch schedule: its executor cannot run OFFLOAD/RELOAD actions"
         elif fits_plain and not evaluate_dominated:
             cand.skipped = "fits without offload, which is never slower"
         else:
@@ -512,6 +551,7 @@ def _fill(cand: Candidate, setup: Setup, results, num_microbatches: int, limit_b
     cand.activation = summary["activation"]
     cand.reload_wait = summary["reload_wait"]
     cand.offloaded_share = summary["offloaded_share"]
+    cand.moved_share = summary["moved_share"]
     cand.extrapolated = summary["extrapolated"]
     for rank, act in enumerate(cand.activation):
         state = setup.state[rank]
@@ -599,6 +639,7 @@ def _reason(best: Candidate, ranked: list[Candidate], memory_gib: float, aliases
         if c is not best
         and c.evaluated
         and c.fits
+        and c.useless is None
         and not alias(c)
         and abs(c.step_time / best.step_time - 1) <= _TIE
     ]

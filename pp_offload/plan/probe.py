@@ -53,8 +53,12 @@ class StageMeasurement:
     offload: float = 0.0
     reload: float = 0.0
     copies_estimated: bool = False
+    layers: int = 0
+    """Decoder layers of the stage (what budget offload moves one by one); 0 when unknown."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
+            raise ValueError(f"StageMeasurement.layers must be an int >= 0, got {self.layers!r}")
         for name in ("F", "I", "W", "offload", "reload"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -119,8 +123,9 @@ class Measurement:
         reload: float | None = None,
         comm: float = 0.0,
         copies_overlap: bool = True,
+        layers: int = 0,
     ) -> Measurement:
-        """Every stage with the same costs (seconds) and bytes: hand-made inputs for `choose`."""
+        """Every stage with the same costs (seconds), bytes and layers: hand-made inputs for `choose`."""
         stage = StageMeasurement(
             F=F,
             I=I,
@@ -128,6 +133,7 @@ class Measurement:
             saved_bytes=saved_bytes,
             offload=offload,
             reload=offload if reload is None else reload,
+            layers=layers,
         )
         return cls(
             num_ranks,
@@ -248,6 +254,7 @@ def measure_step(
         "events": [(e.action, e.end - e.start) for e in timer.events],
         "bytes": [(int(s), int(j), int(b)) for (s, j), b in store.last_captured.items()],
         "comm": None,
+        "layers": {int(st.stage_index): _layer_count(st) for st in stages},
     }
     rank = dist.get_rank(group) if distributed else 0
     if comm is None and distributed:
@@ -268,6 +275,16 @@ def measure_step(
         copies_overlap=store.device.type == "cuda",
         device=str(store.device),
     )
+
+
+def _layer_count(stage: Any) -> int:
+    """The stage's decoder layers as budget offload finds them; 0 when it finds none."""
+    from pp_offload.runtime.offload import stage_layers
+
+    try:
+        return len(stage_layers(stage))
+    except ValueError:
+        return 0
 
 
 def _note_outputs(stage: Any, outputs: list[tuple[int, str]]) -> Callable[[], None]:
@@ -354,6 +371,11 @@ def _summarize(
             if s < n:
                 saved[s] = max(saved[s], b)
     comm = next((p["comm"] for p in parts if p["comm"] is not None), 0.0)
+    layers = [0] * n
+    for part in parts:
+        for s, count in part.get("layers", {}).items():
+            if int(s) < n:
+                layers[int(s)] = int(count)
 
     def med(s: int, kind: str) -> float | None:
         values = samples.get((s, kind))
@@ -397,7 +419,14 @@ def _summarize(
         f, i, w = fiw[s]
         stages.append(
             StageMeasurement(
-                F=f, I=i, W=w, saved_bytes=saved[s], offload=off, reload=rel, copies_estimated=estimated
+                F=f,
+                I=i,
+                W=w,
+                saved_bytes=saved[s],
+                offload=off,
+                reload=rel,
+                copies_estimated=estimated,
+                layers=layers[s],
             )
         )
     notes = []

@@ -48,8 +48,16 @@ def format_table(result: PlanResult) -> str:
         if c.error is not None:
             lines.append(f"{'-':>3}  {c.name:<31}{c.offload:<16}  not evaluated: {c.error}")
             continue
-        if c.offload != "none" and c.offloaded_share == 0 and c is not result.recommended:
-            idle.setdefault(c.name, []).append(c.offload)  # same as without offload: listed below
+        if c.useless is not None:
+            if c.useless.startswith("moves nothing"):
+                idle.setdefault("it moves nothing (no window hides a copy)", []).append(
+                    f"{c.name} {c.offload}"
+                )
+            else:
+                cost = c.useless.split(" step time")[0]
+                idle.setdefault("it costs step time without lowering the activation peak", []).append(
+                    f"{c.name} {c.offload} ({cost})"
+                )
             continue
         ratio = f"{c.activation_peak / ref.activation_peak:.2f}" if ref and ref.activation_peak else "-"
         fits = "yes" if c.fits else f"no (+{c.over_bytes / GIB:.1f})"
@@ -60,17 +68,15 @@ def format_table(result: PlanResult) -> str:
             f"{c.peak_unit:>11g}{c.activation_peak / GIB:>9.2f}{ratio:>8}"
             f"{c.peak_bytes / GIB:>11.1f} ({c.peak_rank:>2})  {fits}"
         )
-    if skipped:
-        names = list(dict.fromkeys(c.name for c in skipped))
-        lines.append(
-            "offload not replayed for schedules that fit without it (offload never makes an order faster): "
-            + ", ".join(names)
-        )
-    if idle:
-        lines.append(
-            "offload moved nothing (no chunk's forward-to-backward window holds a copy out and back), same "
-            "as without offload: " + "; ".join(f"{name} ({', '.join(pols)})" for name, pols in idle.items())
-        )
+    by_reason: dict[str, list[str]] = {}
+    for c in skipped:
+        names = by_reason.setdefault(c.skipped, [])
+        if c.name not in names:
+            names.append(c.name)
+    for reason, names in by_reason.items():
+        lines.append(f"offload not replayed ({reason}): " + ", ".join(names))
+    for reason, labels in idle.items():
+        lines.append(f"offload never recommended, {reason}: " + "; ".join(labels))
     lines.append("")
     if result.recommended is not None:
         lines.append(f"recommended: {result.recommended.label}")

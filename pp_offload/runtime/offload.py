@@ -17,22 +17,36 @@
 
 A RELOAD missing from an order makes the backward fail with an error naming the chunk, never a wrong
 gradient.
+
+Budget mode (``offload="budget"``, ``"budget:0.5"``; `pp_offload.order.offload`) moves each chunk's
+earliest layers instead of the whole chunk, as `pp_offload.sim` models it: the stage's layers are its
+module's largest ``nn.ModuleList`` (Hugging Face's ``model.layers``, GPT-2's ``h``) or, for an
+``nn.Sequential`` stage, its children. Each moved layer is its own store entry, keyed
+``(stage, microbatch, layer)``: captured from a forward pre-hook on the layer, offloaded from its forward
+hook (so its copy starts as soon as that layer has produced its tensors; on CUDA the copy stream waits
+for exactly that compute), reloaded last layer first at the chunk's RELOAD (the backward needs the last
+layer first, and on CUDA waits only for the layer it unpacks), released after the chunk's last backward.
+The chunk's OFFLOAD action then copies nothing; it checks that every planned layer went out. Planning
+needs every stage's layer count: this rank counts its own stages and assumes the largest of them for the
+others (they only shape the timing estimates behind RELOAD positions, never what this rank moves).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from pp_offload.order.actions import Costs
 from pp_offload.order.offload import OffloadPlan, plan_offload, resolve_offload
 from pp_offload.runtime import compat
 from pp_offload.runtime.store import ActivationStore
 
-__all__ = ["OffloadRuntime", "enable_offload"]
+__all__ = ["OffloadRuntime", "enable_offload", "stage_layers"]
 
 _DEFAULT_TRANSFER = 0.5
 """One chunk's one-way copy time in F units when costs give none: the paper's k ~ 1 regime."""
@@ -40,11 +54,16 @@ _DEFAULT_TRANSFER = 0.5
 
 @dataclass
 class OffloadRuntime:
-    """What `enable_offload` installed on a schedule (``schedule.offload``): the plan and the store."""
+    """What `enable_offload` installed on a schedule (``schedule.offload``): the plan and the store.
+
+    ``moved``: budget mode, this rank's chunks -> layers moved (their store keys are
+    ``(stage, microbatch, layer)``); empty for whole-chunk policies."""
 
     plan: OffloadPlan
     store: ActivationStore
     offloaded: set[tuple[int, int]]
+    moved: dict[tuple[int, int], int] = field(default_factory=dict)
+    _active: Any = field(default=None, repr=False)  # budget: (chunk, layers moved, kept tensors) in its F
 
 
 def enable_offload(
@@ -56,7 +75,9 @@ def enable_offload(
 ) -> OffloadRuntime | None:
     """Offload activations of ``schedule`` (any torch ``_PipelineScheduleRuntime`` schedule) to host memory.
 
-    offload: ``"full"``, ``"selective"``/``"selective:0.25"``/a fraction, ``"auto"``, a dict of
+    offload: ``"full"``, ``"selective"``/``"selective:0.25"``/a fraction, ``"auto"``, ``"budget"``/
+        ``"budget:0.5"``/``"budget:auto:0.1"`` (layer by layer: the stages' modules must hold their layers
+        in an ``nn.ModuleList`` or be ``nn.Sequential``), a dict of
         `pp_offload.order.offload.OffloadPolicy` fields, or a policy; ``None``/``"none"`` does nothing.
     costs: relative F/I/W/comm durations and ``transfer`` (one chunk's copy time one way); default: the
         schedule's own ``costs`` if it has them, else unit costs with ``transfer = 0.5``.
@@ -77,17 +98,57 @@ def enable_offload(
     costs = Costs.coerce(costs if costs is not None else getattr(schedule, "costs", None))
     if costs.transfer == 0:
         costs = Costs(costs.F, costs.I, costs.W, costs.comm, transfer=_DEFAULT_TRANSFER * costs.F)
-    plan = plan_offload(schedule.pipeline_order, costs, policy)
+    stages = compat.schedule_stages(schedule)
+    layers = None
+    if policy.mode == "budget":
+        own = {stage.stage_index: stage_layers(stage) for stage in stages}
+        num_stages = 1 + max(
+            a.stage_index for acts in schedule.pipeline_order.values() for a in acts if a is not None
+        )
+        assumed = max(len(mods) for mods in own.values())
+        layers = [len(own[s]) if s in own else assumed for s in range(num_stages)]
+    plan = plan_offload(schedule.pipeline_order, costs, policy, layers=layers)
     _insert_into_lowered_order(schedule, plan)
 
-    stages = compat.schedule_stages(schedule)
     store = ActivationStore(device if device is not None else stages[0].device)
     rank = stages[0].group_rank
-    runtime = OffloadRuntime(plan, store, set(plan.offloaded.get(rank, ())))
+    mine = set(plan.offloaded.get(rank, ()))
+    moved = {key: plan.layered[key].moved for key in mine if key in plan.layered}
+    runtime = OffloadRuntime(plan, store, mine - set(moved), moved)
     for stage in stages:
         _hook_stage(stage, runtime)
-    compat.install_action_handler(schedule, "OFFLOAD", lambda action, ctx: store.offload(_key(action)))
-    compat.install_action_handler(schedule, "RELOAD", lambda action, ctx: store.reload(_key(action)))
+        if moved:
+            _hook_layers(stage, runtime, own[stage.stage_index])
+
+    def offload(action: Any, ctx: Any) -> None:
+        key = _key(action)
+        if key not in moved:
+            store.offload(key)
+            return
+        parts = [(*key, i) for i in range(moved[key])]
+        states = [store.state(part) for part in parts]
+        if all(state == "reloaded" for state in states):  # after I: drop the device copies until W
+            for part in parts:
+                store.offload(part)
+            return
+        missing = [i for i, state in enumerate(states) if state != "offloaded"]
+        if missing:
+            raise RuntimeError(
+                f"{action}: layers {missing} of stage {key[0]}, microbatch {key[1]} were planned to move to "
+                "host memory during the forward but did not; the stage's forward must call its layers as "
+                "modules (their forward hooks move them)"
+            )
+
+    def reload(action: Any, ctx: Any) -> None:
+        key = _key(action)
+        if key not in moved:
+            store.reload(key)
+            return
+        for i in range(moved[key] - 1, -1, -1):  # the backward needs the last moved layer first
+            store.reload((*key, i))
+
+    compat.install_action_handler(schedule, "OFFLOAD", offload)
+    compat.install_action_handler(schedule, "RELOAD", reload)
 
     def fresh_step(step_microbatches: Any, *args: Any, **kwargs: Any) -> Any:
         store.reset()  # a step that failed half-way leaves chunks behind; never let them leak into the next
@@ -144,9 +205,55 @@ def _compute_keys(action: Any) -> list[tuple[int, str, int]]:
     return []
 
 
+def stage_layers(stage: Any) -> list[nn.Module]:
+    """The stage's layers, in forward order: its module's largest ``nn.ModuleList``, else the children of
+    an ``nn.Sequential`` stage module."""
+    module = stage.submod
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    if lists:  # may be empty: a stage holding only the LM head moves nothing
+        return list(max(lists, key=len))
+    if isinstance(module, nn.Sequential) and len(module) > 0:
+        return list(module)
+    raise ValueError(
+        f"offload mode 'budget' moves whole layers, but stage {stage.stage_index}'s module "
+        f"({type(module).__name__}) has no nn.ModuleList of layers and is not an nn.Sequential; put its "
+        "layers in an nn.ModuleList, or use a whole-chunk policy ('full', 'selective', 'auto')"
+    )
+
+
+def _hook_layers(stage: Any, runtime: OffloadRuntime, layers: list[nn.Module]) -> None:
+    """Budget mode: capture each moved layer's saved tensors under its own key and offload them as soon
+    as that layer's forward returns. Active only inside the forward of a chunk with moved layers
+    (`_hook_stage` sets ``runtime._active``)."""
+    store = runtime.store
+    open_capture: list[contextlib.ExitStack | None] = [None]
+
+    def pre_hook(index: int, module: nn.Module, args: Any) -> None:
+        active = getattr(runtime, "_active", None)
+        if active is None or active[0][0] != stage.stage_index or index >= active[1]:
+            return
+        key, _, keep = active
+        stack = contextlib.ExitStack()
+        stack.enter_context(store.capture((*key, index), keep=keep))
+        open_capture[0] = stack
+
+    def post_hook(index: int, module: nn.Module, args: Any, output: Any) -> None:
+        stack = open_capture[0]
+        if stack is None:
+            return
+        open_capture[0] = None
+        stack.close()
+        key = runtime._active[0]
+        store.offload((*key, index))
+
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda mod, args, i=index: pre_hook(i, mod, args))
+        layer.register_forward_hook(lambda mod, args, out, i=index: post_hook(i, mod, args, out))
+
+
 def _hook_stage(stage: Any, runtime: OffloadRuntime) -> None:
     """Capture the chosen chunks' forwards and release them after their last backward pass."""
-    store, chosen = runtime.store, runtime.offloaded
+    store, chosen, moved = runtime.store, runtime.offloaded, runtime.moved
     originals = {
         name: getattr(stage, name)
         for name in (
@@ -160,7 +267,7 @@ def _hook_stage(stage: Any, runtime: OffloadRuntime) -> None:
 
     def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         key = (stage.stage_index, fwd_chunk_id)
-        current[0] = key if key in chosen else None
+        current[0] = key if key in chosen or key in moved else None
         try:
             return originals["forward_one_chunk"](fwd_chunk_id, *args, **kwargs)
         finally:
@@ -173,22 +280,31 @@ def _hook_stage(stage: Any, runtime: OffloadRuntime) -> None:
         # The stage's inputs live in the pipeline's receive buffers (or the user's microbatch) and its
         # module buffers in the module: both stay on the device anyway, so copying them gains nothing.
         kept = [*args, *kwargs.values(), *stage.submod.buffers()]
+        if key in moved:  # budget: the layer hooks capture and offload the moved layers one by one
+            runtime._active = (key, moved[key], kept)
+            try:
+                return originals["forward_maybe_with_nosync"](*args, **kwargs)
+            finally:
+                runtime._active = None
         with store.capture(key, keep=kept):
             return originals["forward_maybe_with_nosync"](*args, **kwargs)
+
+    def release(key: tuple[int, int]) -> None:
+        if key in chosen:
+            store.release(key)
+        for i in range(moved.get(key, 0)):
+            store.release((*key, i))
 
     def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         result = originals["backward_one_chunk"](bwd_chunk_id, *args, **kwargs)
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-        key = (stage.stage_index, bwd_chunk_id)
-        if full and key in chosen:
-            store.release(key)
+        if full:
+            release((stage.stage_index, bwd_chunk_id))
         return result
 
     def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         result = originals["backward_weight_one_chunk"](bwd_chunk_id, *args, **kwargs)
-        key = (stage.stage_index, bwd_chunk_id)
-        if key in chosen:
-            store.release(key)
+        release((stage.stage_index, bwd_chunk_id))
         return result
 
     hooks = {

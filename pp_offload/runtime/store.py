@@ -332,6 +332,9 @@ class ActivationStore:
     def offload(self, key: Hashable) -> None:
         """Start copying chunk ``key`` to host memory; its device memory is released when the copy ends.
 
+        A chunk already reloaded (its backward's I ran, its W has not) is offloaded again without a copy:
+        its host copy is still exact, so its device buffers are just dropped; reload it again before W.
+
         CUDA: the copy stream first waits for the work already queued on the current stream (the forward
         that produced the tensors), copies into pinned pool buffers, and records an event. Each source is
         marked with ``record_stream(copy_stream)`` and the store drops its references at once: the
@@ -342,6 +345,13 @@ class ActivationStore:
         chunk = self._get(key, "offload")
         if chunk.state is _CAPTURING:
             raise RuntimeError(f"offload of chunk {key!r} inside its own capture; offload after its forward")
+        if chunk.state is _RELOADED:
+            # Saved tensors are read-only to backward, so the host copy is still exact: dropping the device
+            # buffers frees them with no copy (zero-bubble orders: between I and W). CUDA: the buffers were
+            # marked used by the streams that read them, so the allocator keeps them until those pass.
+            chunk.device = {}
+            chunk.state = _OFFLOADED
+            return
         if chunk.state is not _CAPTURED:
             raise RuntimeError(f"chunk {key!r} is already {chunk.state}: offload it once, after its forward")
         for i in range(len(chunk.originals)):
@@ -417,6 +427,11 @@ class ActivationStore:
             self._drop(chunk)
 
     # --- measurements ---------------------------------------------------------------------------------
+
+    def state(self, key: Hashable) -> str | None:
+        """Chunk ``key``'s state (capturing, captured, offloaded, reloaded), None when not in the store."""
+        chunk = self._chunks.get(key)
+        return None if chunk is None else chunk.state
 
     def resident_bytes(self) -> int:
         """Device bytes the store keeps alive now (see ChunkStats.resident_bytes)."""

@@ -1,0 +1,303 @@
+"""Budgeted, layer-granular offload: the simulator's layered model, the planner of mode 'budget', and
+(gloo, 2 ranks) exact losses and gradients when a schedule moves its chunks' earliest layers."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import run_on_ranks
+from torch import nn
+
+from pp_offload.order import Action, Costs, v_half_order, v_zb_order
+from pp_offload.order.actions import OFFLOAD, RELOAD
+from pp_offload.order.offload import OffloadPolicy, plan_offload, resolve_offload
+from pp_offload.runtime import compat
+from pp_offload.sim import LayeredChunk, flatten, simulate
+
+# --- simulator ------------------------------------------------------------------------------------------
+
+ONE_CHUNK = {
+    0: [
+        Action(0, "F", 0),
+        Action(0, OFFLOAD, 0),
+        Action(0, "F", 1),
+        Action(0, RELOAD, 0),
+        Action(0, "I", 0),
+        Action(0, "W", 0),
+        Action(0, "I", 1),
+        Action(0, "W", 1),
+    ]
+}
+
+
+def test_layered_copies_start_per_layer_and_reload_last_layer_first() -> None:
+    # one stage of 4 layers on one rank (scale 2): F = 2, one layer's copy = 1 (given)
+    result = simulate(ONE_CHUNK, Costs(), layered={(0, 0): LayeredChunk(moved=2, layers=4, layer_copy=1.0)})
+    parts = [(str(a), layer, s, e) for a, layer, s, e in result.layer_transfers[0]]
+    # layer 0's copy starts when its forward ends (0.5), layer 1's at 1.0 but queues behind it
+    assert parts[:2] == [("0OFFLOAD0", 0, 0.5, 1.5), ("0OFFLOAD0", 1, 1.5, 2.5)]
+    # the reload is issued when 0F1 ends (t=4): layer 1 first, then layer 0
+    assert parts[2:] == [("0RELOAD0", 1, 4.0, 5.0), ("0RELOAD0", 0, 5.0, 6.0)]
+    # 0I0 (2 units, 0.5 per layer) runs layers 3, 2 at once, waits for layer 1 (t=5), then layer 0 (t=6)
+    timeline = {"".join(map(str, k)): (s, e) for k, s, e in result.timeline[0]}
+    assert timeline["0I0"] == (4.0, 6.5)
+    assert result.reload_wait[0] == pytest.approx(0.5)
+    assert result.busy[0] == pytest.approx(12.0)  # waits are not compute
+    assert result.makespan == pytest.approx(12.5)
+    # memory: 2 units at 0F0's start, half a unit off at each layer copy's end (1.5, 2.5), 2 more at 0F1's
+    # start (2: 3.5), back half a unit at each reload's start (4: 3.5, 5: 4), 0W0 frees 2
+    assert dict(result.memory_curve[0])[5.0] == pytest.approx(4.0)
+    assert result.peak_memory[0] == pytest.approx(4.0)
+
+
+def test_layered_moving_nothing_is_the_plain_replay() -> None:
+    plain = simulate({0: [a for a in ONE_CHUNK[0] if a.computation_type not in (OFFLOAD, RELOAD)]})
+    moved_nothing = simulate(ONE_CHUNK, layered={(0, 0): LayeredChunk(0, 4)})
+    assert moved_nothing.makespan == plain.makespan
+    assert moved_nothing.peak_memory == plain.peak_memory
+
+
+def test_layered_chunk_checks_its_fields() -> None:
+    with pytest.raises(ValueError, match="moved must be an int in \\[0, layers=4\\]"):
+        LayeredChunk(5, 4)
+    with pytest.raises(ValueError, match="layers must be an int >= 1"):
+        LayeredChunk(0, 0)
+
+
+# --- planning -------------------------------------------------------------------------------------------
+
+
+def _torch(name: str, d: int, m: int) -> dict[int, list]:
+    return dict(enumerate(compat.schedule_ops(name, d, m, 2)))
+
+
+ORDERS = {
+    "v-half": lambda: v_half_order(4, 8),
+    "v-zb": lambda: v_zb_order(4, 8),
+    "interleaved1f1b": lambda: _torch("Interleaved1F1B", 4, 8),
+    "zbv": lambda: _torch("ZBVZeroBubble", 4, 8),
+}
+
+
+def test_budget_policy_parsing_and_errors() -> None:
+    assert resolve_offload("budget") == OffloadPolicy("budget")
+    assert resolve_offload("budget:0.5") == OffloadPolicy("budget", fraction=0.5)
+    assert resolve_offload("budget:auto:0.1") == OffloadPolicy("budget", max_slowdown=0.1)
+    with pytest.raises(ValueError, match="budget:0.5"):
+        resolve_offload("budget:lots")
+    with pytest.raises(ValueError, match="not a count"):
+        OffloadPolicy("budget", count=2)
+    with pytest.raises(ValueError, match="max_slowdown must be"):
+        OffloadPolicy("budget", max_slowdown=-1)
+    with pytest.raises(ValueError, match="pass layers="):
+        plan_offload(v_half_order(2, 4), Costs(transfer=0.5), "budget")
+    with pytest.raises(ValueError, match="layers has 2 entries but the order has 4 stages"):
+        plan_offload(v_half_order(2, 4), Costs(transfer=0.5), "budget", layers=[2, 2])
+
+
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_budget_plans_are_valid_and_move_earliest_layers(name: str) -> None:
+    order = ORDERS[name]()
+    costs = Costs(transfer=3.0)  # k = 2: whole chunks cannot hide, single layers can
+    whole = plan_offload(order, costs, "full")
+    plan = plan_offload(order, costs, "budget", layers=4)
+    base = simulate(order, costs)
+    replay = plan.replay(costs)
+    assert replay.makespan == plan.sim.makespan and replay.peak == plan.sim.peak
+    for rank, actions in plan.order.items():
+        assert flatten(actions) == flatten(order[rank])
+        keys = {
+            (a.stage_index, a.microbatch_index) for a in actions if a.computation_type in (OFFLOAD, RELOAD)
+        }
+        assert keys == set(plan.offloaded[rank])
+        assert all(plan.layered[k].moved >= 1 for k in keys)
+    # the budget stays within its slowdown and lowers the peak where whole chunks cannot
+    assert plan.sim.makespan <= base.makespan * 1.03 + 1e-9
+    assert plan.sim.peak < base.peak
+    assert plan.sim.peak < whole.sim.peak or whole.sim.makespan > base.makespan * 1.03
+
+
+def test_budget_fraction_is_capped_by_the_window() -> None:
+    order = v_half_order(4, 8)
+    plan = plan_offload(order, Costs(transfer=3.0), "budget:0.5", layers=4)
+    assert {c.moved for c in plan.layered.values()} <= {1, 2} and plan.layered
+    # a chunk whose backward follows its forward has no window for a layer copy 3x its forward
+    for rank, actions in order.items():
+        passes = flatten(actions)
+        for (s, kind, j), nxt in zip(passes, passes[1:], strict=False):
+            if kind == "F" and nxt[::2] == (s, j):
+                assert (s, j) not in plan.layered, (rank, s, j)
+
+
+def test_budget_auto_with_no_room_moves_nothing() -> None:
+    order = v_half_order(2, 4)
+    plan = plan_offload(order, Costs(transfer=1000.0), "budget", layers=2)
+    assert plan.layered == {} and all(v == [] for v in plan.offloaded.values())
+    assert plan.sim.makespan == simulate(order, Costs()).makespan
+
+
+# --- runtime (gloo) -------------------------------------------------------------------------------------
+
+HIDDEN = 32
+ROWS = 48
+LAYERS = 3  # per stage
+SCHEDULES = (
+    ("ScheduleVHalf", "v"),
+    ("ScheduleVZB", "v"),
+    ("ScheduleZBVZeroBubble", "v"),
+    ("ScheduleInterleaved1F1B", "loop"),
+)
+POLICIES = ("budget:0.67", "budget")
+
+
+def _model(d: int) -> nn.Sequential:
+    torch.manual_seed(0)
+
+    def block() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN))
+
+    return nn.Sequential(*[nn.Sequential(*[block() for _ in range(LAYERS)]) for _ in range(2 * d)])
+
+
+def _batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(m * ROWS, HIDDEN, generator=gen), torch.randn(m * ROWS, HIDDEN, generator=gen)
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def _worker(rank: int, world_size: int, m: int) -> dict:
+    import torch.distributed.pipelining as tp
+    from torch.distributed.pipelining import PipelineStage
+
+    import pp_offload
+    from pp_offload.runtime.offload import enable_offload
+
+    d = world_size
+    model = _model(d)
+    x, y = _batch(m)
+    out: dict = {}
+    for name, placement in SCHEDULES:
+        ids = (rank, 2 * d - 1 - rank) if placement == "v" else (rank, rank + d)
+        for policy in POLICIES:
+            model.zero_grad(set_to_none=True)
+            stages = [PipelineStage(model[s], s, 2 * d, torch.device("cpu")) for s in ids]
+            kwargs = {"loss_fn": _loss, "scale_grads": False}
+            if hasattr(pp_offload, name):
+                schedule = getattr(pp_offload, name)(stages, m, offload=policy, **kwargs)
+            else:
+                schedule = getattr(tp, name)(stages, m, **kwargs)
+                enable_offload(schedule, policy)
+            losses: list[torch.Tensor] = []
+            schedule.step(
+                *((x,) if 0 in ids else ()), **({"target": y, "losses": losses} if 2 * d - 1 in ids else {})
+            )
+            store = schedule.offload.store
+            assert store.resident_bytes() == 0, "chunks left in the store after a step"
+            layered = {k: v for k, v in store.last_captured.items() if len(k) == 3}
+            grads = {f"{s}.{n}": p.grad.clone() for s in ids for n, p in model[s].named_parameters()}
+            out[(name, policy)] = {
+                "losses": [t.detach() for t in losses],
+                "grads": grads,
+                "moved_bytes": sum(layered.values()),
+                "whole_chunks": len(store.last_captured) - len(layered),
+                "planned": sum(schedule.offload.moved.values()),
+                # the store's layer entries are exactly the planned (stage, microbatch, layer) parts
+                "parts_as_planned": set(layered)
+                == {(*key, i) for key, n in schedule.offload.moved.items() for i in range(n)},
+                # OFFLOADs beyond one per chunk: chunks dropped between I and W
+                "dropped": sum(a.computation_type == OFFLOAD for a in schedule.offload.plan.order[rank])
+                - len(schedule.offload.plan.offloaded[rank]),
+            }
+    return out
+
+
+def _reference(d: int, m: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    model = _model(d)
+    x, y = _batch(m)
+    losses = [_loss(model(xm), ym) for xm, ym in zip(x.chunk(m), y.chunk(m), strict=True)]
+    sum(losses).backward()
+    grads = {f"{s}.{n}": p.grad for s in range(2 * d) for n, p in model[s].named_parameters()}
+    return [t.detach() for t in losses], grads
+
+
+@functools.cache
+def _run(d: int) -> list[dict]:
+    return run_on_ranks(_worker, d, 2 * d, timeout=180)
+
+
+def test_budget_offload_keeps_losses_and_grads() -> None:
+    d, m = 2, 4
+    ref_losses, ref_grads = _reference(d, m)
+    results = _run(d)
+    for name, _ in SCHEDULES:
+        for policy in POLICIES:
+            got = [r[(name, policy)] for r in results]
+            losses = [t for g in got for t in g["losses"]]
+            torch.testing.assert_close(losses, ref_losses, msg=f"{name} {policy}: losses")
+            grads = {k: v for g in got for k, v in g["grads"].items()}
+            assert grads.keys() == ref_grads.keys()
+            for key, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[key], msg=f"{name} {policy}: {key}")
+            assert sum(g["planned"] for g in got) > 0, f"{name} {policy}: the plan moves no layer"
+            assert sum(g["moved_bytes"] for g in got) > 0, f"{name} {policy}: no layer's bytes moved"
+            assert all(g["whole_chunks"] == 0 for g in got), f"{name} {policy}: a whole chunk was captured"
+            assert all(g["parts_as_planned"] for g in got), (
+                f"{name} {policy}: moved layers differ from the plan"
+            )
+            if "ZB" in name:  # the I-to-W drop and second reload ran, exactly
+                assert sum(g["dropped"] for g in got) > 0, (
+                    f"{name} {policy}: no chunk dropped between I and W"
+                )
+
+
+def test_offload_after_reload_drops_without_a_copy() -> None:
+    # chunk 0 reloaded for I, dropped after I (no copy: its host copy is exact), reloaded again for W
+    order = {
+        0: [
+            Action(0, "F", 0),
+            Action(0, OFFLOAD, 0),
+            Action(0, "F", 1),
+            Action(0, RELOAD, 0),
+            Action(0, "I", 0),
+            Action(0, OFFLOAD, 0),
+            Action(0, "I", 1),
+            Action(0, RELOAD, 0),
+            Action(0, "W", 0),
+            Action(0, "W", 1),
+        ]
+    }
+    whole = simulate(order, Costs(transfer=0.5))
+    kinds = [(str(a), s, e) for a, s, e in whole.transfers[0]]
+    # passes take 2 (scale 2), copies 1: 0I0 waits for its reload until 5 and ends at 7
+    assert kinds[2] == ("0OFFLOAD0", 7.0, 7.0)  # issued when 0I0 ends, frees at once
+    assert kinds[3] == ("0RELOAD0", 9.0, 10.0)  # issued when 0I1 ends: 0W0 waits 1 for it
+    assert whole.reload_wait[0] == pytest.approx(2.0)
+    assert dict(whole.memory_curve[0])[7.0] == pytest.approx(2.0)  # 0F1's 2 units only
+    layered = simulate(order, Costs(), layered={(0, 0): LayeredChunk(2, 4, layer_copy=0.25)})
+    drops = [(layer, s, e) for a, layer, s, e in layered.layer_transfers[0] if s == e]
+    assert drops == [(0, 6.0, 6.0), (1, 6.0, 6.0)]
+
+
+@pytest.mark.parametrize("name", ["v-zb", "zbv"])
+def test_budget_drops_chunks_between_i_and_w_on_zero_bubble_orders(name: str) -> None:
+    order = ORDERS[name]()
+    costs = Costs(transfer=0.5)
+    with_drop = plan_offload(order, costs, "budget:1", layers=2)
+    without = plan_offload(order, costs, {"mode": "budget", "fraction": 1.0, "drop_after_i": False}, layers=2)
+    twice = 0
+    for rank, actions in with_drop.order.items():
+        for key in with_drop.offloaded[rank]:
+            kinds = [a.computation_type for a in actions if (a.stage_index, a.microbatch_index) == key]
+            if kinds.count(OFFLOAD) == 2:  # F OFFLOAD [RELOAD] I OFFLOAD RELOAD W, in that order
+                twice += 1
+                assert [k for k in kinds if k != RELOAD] == ["F", OFFLOAD, "I", OFFLOAD, "W"]
+                assert kinds.index(RELOAD) < kinds.index("I") and kinds[-2:] == [RELOAD, "W"]
+    assert twice > 0
+    assert with_drop.sim.peak < without.sim.peak
+    assert with_drop.replay(costs).peak == with_drop.sim.peak
