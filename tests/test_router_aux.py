@@ -87,7 +87,7 @@ def test_chained_stages_give_transformers_loss_and_gradients(model_type: str) ->
     assert aux is not None
     loss = loss_fn((logits, aux), shifted)
     loss.backward()
-    assert float(aux) == pytest.approx(want_aux, rel=TIGHT) and want_aux > 0.1
+    assert float(aux.detach()) == pytest.approx(want_aux, rel=TIGHT) and want_aux > 0.1
     assert float(loss) == pytest.approx(want_loss, rel=TIGHT)
     _assert_grads_close(_grads(model), want, TIGHT)
 
@@ -139,12 +139,33 @@ def test_microbatched_aux_is_the_mean_over_microbatches_as_with_gradient_accumul
     assert whole != pytest.approx(sum(per_mb) / MICROBATCHES, rel=1e-6)  # the semantics differ, slightly
 
 
+def test_activation_checkpointing_keeps_the_aux_gradient() -> None:
+    """Recomputed layers record no router logits twice (the capture hooks exist only during forward)."""
+    from pp_offload.parallel import activation_checkpointing
+
+    model = _model()
+    ids, labels = _batch(model, ROWS)
+    split = split_model(model, num_stages=2, stage_indices=[0, 1])
+    loss_fn = TokenCrossEntropy(router_aux_weight=COEF)
+    loss_fn.num_target_tokens = labels.numel()
+    want_loss = loss_fn(chain_stages([split.stages[0], split.stages[1]], ids), labels)
+    want_loss.backward()
+    want = _grads(model)
+    assert activation_checkpointing(split) == model.config.num_hidden_layers
+    loss = loss_fn(chain_stages([split.stages[0], split.stages[1]], ids), labels)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(want_loss.detach()), rel=TIGHT)
+    _assert_grads_close(_grads(model), want, TIGHT)
+
+
 def test_eval_mode_errors_and_refusals() -> None:
     model = _model()
     split = split_model(model, num_stages=2, stage_indices=[0, 1])
     ids, labels = _batch(model, 1)
     with pytest.raises(ValueError, match="needs the previous stage's router_stats"):
         split.stages[1](torch.zeros(1, SEQ, model.config.hidden_size))
+    with pytest.raises(ValueError, match="padding attention_mask with the router aux loss"):
+        split.stages[0](ids, attention_mask=torch.ones_like(ids))
     loss_fn = TokenCrossEntropy()
     loss_fn.num_target_tokens = labels.numel()
     with pytest.raises(RuntimeError, match="router_aux_weight is not set"):
@@ -160,36 +181,42 @@ def test_eval_mode_errors_and_refusals() -> None:
         split_model(doge, num_stages=2, stage_indices=[0])
 
 
-def _pipelined(rank: int, world: int) -> dict:
-    """V-Half, 4 stages (rank 0: 0 and 3, rank 1: 1 and 2), MICROBATCHES microbatches: loss and grads."""
+def _pipelined(rank: int, world: int, offloads: tuple[str | None, ...]) -> list[dict]:
+    """V-Half, 4 stages (rank 0: 0 and 3, rank 1: 1 and 2), MICROBATCHES microbatches, each offload
+    setting: the step's loss and this rank's gradients."""
     from torch.distributed.pipelining import PipelineStage
 
     from pp_offload import ScheduleVHalf
 
-    model = _model()
-    ids, labels = _batch(model, MICROBATCHES * ROWS)
-    mine = [rank, 3 - rank]
-    split = split_model(model, num_stages=4, stage_indices=mine)
-    stages = [PipelineStage(split.stages[s], s, 4, torch.device("cpu")) for s in mine]
-    loss_fn = TokenCrossEntropy(router_aux_weight=split.router_aux.coef / MICROBATCHES)
-    loss_fn.num_target_tokens = labels.numel()
-    schedule = ScheduleVHalf(stages, MICROBATCHES, loss_fn=loss_fn, scale_grads=False)
-    losses: list[torch.Tensor] = []
-    if rank == 0:  # stage 0 and the last stage
-        schedule.step(ids, target=labels, losses=losses, return_outputs=False)
-    else:
-        schedule.step(return_outputs=False)
-    grads = {n: p.grad.clone() for n, p in split.module.named_parameters() if p.grad is not None}
-    return {"loss": float(sum(float(t) for t in losses)), "grads": grads}
+    results = []
+    for offload in offloads:
+        model = _model()
+        ids, labels = _batch(model, MICROBATCHES * ROWS)
+        mine = [rank, 3 - rank]
+        split = split_model(model, num_stages=4, stage_indices=mine)
+        stages = [PipelineStage(split.stages[s], s, 4, torch.device("cpu")) for s in mine]
+        loss_fn = TokenCrossEntropy(router_aux_weight=split.router_aux.coef / MICROBATCHES)
+        loss_fn.num_target_tokens = labels.numel()
+        schedule = ScheduleVHalf(stages, MICROBATCHES, loss_fn=loss_fn, scale_grads=False, offload=offload)
+        losses: list[torch.Tensor] = []
+        if rank == 0:  # stage 0 and the last stage
+            schedule.step(ids, target=labels, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        grads = {n: p.grad.clone() for n, p in split.module.named_parameters() if p.grad is not None}
+        results.append({"loss": float(sum(float(t) for t in losses)), "grads": grads})
+    return results
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_v_half_on_two_ranks_equals_one_process() -> None:
-    results = run_on_ranks(_pipelined, 2, timeout=120)
+    offloads = (None, "full")
+    results = run_on_ranks(_pipelined, 2, offloads, timeout=120)
     model = _model()
     ids, labels = _batch(model, MICROBATCHES * ROWS)
     want_loss = _accumulated(model, ids, labels, MICROBATCHES)
     want = _grads(model)
-    got = {**results[1]["grads"], **results[0]["grads"]}
-    assert results[0]["loss"] == pytest.approx(want_loss, rel=TIGHT)
-    _assert_grads_close(got, want, TIGHT)
+    for i, offload in enumerate(offloads):
+        got = {**results[1][i]["grads"], **results[0][i]["grads"]}
+        assert results[0][i]["loss"] == pytest.approx(want_loss, rel=TIGHT), offload
+        _assert_grads_close(got, want, TIGHT)

@@ -135,6 +135,12 @@ class CausalLMStage(nn.Module):
             return self._forward(x, position_ids, attention_mask)
         aux = self.router_aux
         assert aux is not None
+        if attention_mask is not None:
+            raise ValueError(
+                "a padding attention_mask with the router aux loss is not supported: transformers then "
+                "leaves padded tokens out of the routing statistics, which the stages do not; pack the "
+                "sequences (position_ids, no mask) or set config.output_router_logits = False"
+            )
         if router_stats is None:
             if not self.is_first:
                 raise ValueError(
