@@ -88,7 +88,7 @@ def test_chained_stages_give_transformers_loss_and_gradients(model_type: str) ->
     loss = loss_fn((logits, aux), shifted)
     loss.backward()
     assert float(aux.detach()) == pytest.approx(want_aux, rel=TIGHT) and want_aux > 0.1
-    assert float(loss) == pytest.approx(want_loss, rel=TIGHT)
+    assert float(loss.detach()) == pytest.approx(want_loss, rel=TIGHT)
     _assert_grads_close(_grads(model), want, TIGHT)
 
 
@@ -113,6 +113,19 @@ def test_the_router_gradient_of_the_aux_loss_is_there_and_proven() -> None:
         assert not check.ok and check.grad_rel > 1e-3, check
     finally:
         RouterAux.loss = original  # type: ignore[method-assign]
+
+
+def test_the_proof_checks_the_aux_weight_against_the_model_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JetMoE weighs its aux loss by ``aux_loss_coef``, not the ``router_aux_loss_coef`` others use: read
+    from the wrong place, the weight would be wrong, and the proof (loss - cross entropy) says so."""
+    from pp_offload.models import router_aux
+
+    model = _model("jetmoe")  # router_aux_loss_coef=COEF is not JetMoE's: its aux_loss_coef is
+    assert router_aux_of(model).coef == model.config.aux_loss_coef != COEF
+    assert verify.check_split(model, split_model).ok
+    monkeypatch.setattr(router_aux, "_coefficient", lambda m: m.config.router_aux_loss_coef)
+    check = verify.check_split(model, split_model)
+    assert not check.ok and "weighs its router aux loss by 0.01" in check.reason, check
 
 
 def test_microbatched_aux_is_the_mean_over_microbatches_as_with_gradient_accumulation() -> None:
@@ -174,7 +187,7 @@ def test_eval_mode_errors_and_refusals() -> None:
         stage.eval()  # evaluation: the language-model loss only, plain logits
     logits, aux = chain_stages([split.stages[0], split.stages[1]], ids)
     assert aux is None and logits.shape == (1, SEQ, model.config.vocab_size)
-    model.config.router_aux_loss_coef = 0.0
+    model.config.output_router_logits = False  # what the model's forward reads at call time
     assert router_aux_of(model) is None
     doge = tiny_model("doge", output_router_logits=True, router_aux_loss_coef=COEF)  # its own aux formula
     with pytest.raises(UnsupportedModelError, match="output_router_logits=True .*set config.output_router"):

@@ -120,6 +120,16 @@ class RouterAux:
                 handle.remove()
 
 
+def _coefficient(model: nn.Module) -> float | None:
+    """The weight the model's own forward gives the aux loss: its ``router_aux_loss_coef`` attribute
+    (``aux_loss_coef`` for JetMoE, whose config has no ``router_aux_loss_coef``), else the config's."""
+    for name in ("router_aux_loss_coef", "aux_loss_coef"):
+        value = getattr(model, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return getattr(model.config, "router_aux_loss_coef", None)
+
+
 def router_aux_of(model: nn.Module) -> RouterAux | None:
     """The router aux loss ``model`` asks for, or None (``output_router_logits`` off or a zero coefficient).
 
@@ -128,7 +138,7 @@ def router_aux_of(model: nn.Module) -> RouterAux | None:
     and slots there are: dropping the loss silently would train a different objective.
     """
     config = model.config
-    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    coef = float(_coefficient(model) or 0.0)
     if not getattr(config, "output_router_logits", False) or coef == 0.0:
         return None
     name = type(model).__name__

@@ -215,10 +215,33 @@ def check_split(model: nn.Module, split_fn: Callable[..., Any], *, num_stages: i
             ((got * weight).sum() + (got_aux if got_aux is not None else 0.0)).backward()
         except _Refused as refused:
             return SplitCheck(ok=False, reason=str(refused))
+        if want_aux is not None:
+            coef_error = _coefficient_error(small, ids, positions, float(want_aux.detach()))
+            if coef_error:
+                return SplitCheck(ok=False, reason=coef_error)
         if got_aux is not None and want_aux is not None:  # compared with the logits: both are outputs
             got = torch.cat([got.detach().flatten(), got_aux.detach().reshape(1)])
             want = torch.cat([want.detach().flatten(), want_aux.detach().reshape(1)])
         return _compare(small, got, want, want_grads, held)
+
+
+def _coefficient_error(small: nn.Module, ids: torch.Tensor, positions: torch.Tensor, aux: float) -> str:
+    """Why the aux loss's weight the loss function will use is not the model's own (empty if it is).
+
+    The weight is read from attributes (`pp_offload.models.router_aux`); the model's forward with labels
+    says what it really adds: ``loss - cross entropy = coef x aux``.
+    """
+    import torch.nn.functional as F
+
+    coef = router_aux_of(small).coef  # type: ignore[union-attr]
+    with torch.no_grad():
+        torch.manual_seed(1)
+        out = small(input_ids=ids, labels=ids, position_ids=positions, use_cache=False)
+        ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        implied = (float(out.loss) - float(ce)) / aux
+    if abs(implied - coef) <= 1e-3 * abs(coef) + 1e-6:
+        return ""
+    return f"the model weighs its router aux loss by {implied:.4g}, the stages' loss would by {coef:.4g}"
 
 
 def _layer_count(model: nn.Module) -> int:
