@@ -215,12 +215,14 @@ def _pipelined(rank: int, world: int, offloads: tuple[str | None, ...]) -> list[
         loss_fn.num_target_tokens = labels.numel()
         schedule = ScheduleVHalf(stages, MICROBATCHES, loss_fn=loss_fn, scale_grads=False, offload=offload)
         losses: list[torch.Tensor] = []
-        if rank == 0:  # stage 0 and the last stage
-            schedule.step(ids, target=labels, losses=losses, return_outputs=False)
+        aux: list[float] = []
+        if rank == 0:  # stage 0 and the last stage; outputs: the logits and one aux loss per microbatch
+            outputs = schedule.step(ids, target=labels, losses=losses)
+            aux = [float(a) for a in outputs[1].detach()]
         else:
-            schedule.step(return_outputs=False)
+            schedule.step()
         grads = {n: p.grad.clone() for n, p in split.module.named_parameters() if p.grad is not None}
-        results.append({"loss": float(sum(float(t) for t in losses)), "grads": grads})
+        results.append({"loss": float(sum(float(t) for t in losses)), "aux": aux, "grads": grads})
     return results
 
 
@@ -232,7 +234,12 @@ def test_v_half_on_two_ranks_equals_one_process() -> None:
     ids, labels = _batch(model, MICROBATCHES * ROWS)
     want_loss = _accumulated(model, ids, labels, MICROBATCHES)
     want = _grads(model)
+    with torch.no_grad():
+        want_aux = [
+            float(model(input_ids=mb, use_cache=False).aux_loss) for mb in ids.tensor_split(MICROBATCHES)
+        ]
     for i, offload in enumerate(offloads):
+        assert results[0][i]["aux"] == pytest.approx(want_aux, rel=TIGHT), offload
         got = {**results[1][i]["grads"], **results[0][i]["grads"]}
         assert results[0][i]["loss"] == pytest.approx(want_loss, rel=TIGHT), offload
         _assert_grads_close(got, want, TIGHT)

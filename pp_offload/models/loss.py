@@ -57,4 +57,4 @@ class TokenCrossEntropy:
                 "the last stage returned a router aux loss but TokenCrossEntropy.router_aux_weight is not "
                 "set: set it to router_aux_loss_coef / (microbatches x data-parallel replicas)"
             )
-        return loss + self.router_aux_weight * aux.float()
+        return loss + self.router_aux_weight * aux.float().sum()  # the stage's (1,)-shaped aux loss

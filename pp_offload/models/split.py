@@ -84,7 +84,8 @@ class CausalLMStage(nn.Module):
     With a router aux loss (``router_aux`` set: the model asked for ``output_router_logits`` with a
     non-zero ``router_aux_loss_coef``) and in train mode, the running router sums travel with the hidden
     states (`pp_offload.models.router_aux`): stages after the first take them as ``router_stats``, stages
-    before the last return ``(hidden, router_stats)``, and the last returns ``(logits, aux_loss)`` for
+    before the last return ``(hidden, router_stats)``, and the last returns ``(logits, aux_loss)`` (the
+    microbatch's aux loss, shape ``(1,)``) for
     :class:`~pp_offload.models.loss.TokenCrossEntropy`. In eval mode the stages return what they return
     without it (evaluation measures the language-model loss only).
     """
@@ -151,7 +152,9 @@ class CausalLMStage(nn.Module):
         with aux.capture(self) as router_logits:
             out = self._forward(x, position_ids, attention_mask)
         stats = aux.accumulate(router_stats, router_logits)
-        return (out, aux.loss(stats)) if self.is_last else (out, stats)
+        # the aux loss as shape (1,), not a scalar: schedule.step's returned outputs concatenate the
+        # microbatches' outputs, giving one aux loss per microbatch (a 0-d tensor cannot be concatenated)
+        return (out, aux.loss(stats).reshape(1)) if self.is_last else (out, stats)
 
     def _forward(self, x: torch.Tensor, position_ids: Any, attention_mask: Any) -> torch.Tensor:
         base = getattr(self, self._family.base)
