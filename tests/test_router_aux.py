@@ -4,8 +4,8 @@ Offline: chained stages give transformers' own loss (cross entropy + coef x aux)
 microbatch bit for bit; the aux gradient is really there (dropping it is caught by the split-time proof);
 on several microbatches the pipelined loss is the mean of the microbatches' aux losses, equal to one
 process accumulating gradients over the same microbatches. On 2 gloo ranks: V-Half (4 stages, the last
-on rank 0) gives one process's gradients of that same loss. The recipe-level 2-rank run is in
-test_recipe_families.
+on rank 0; without and with full offload) gives one process's gradients of that same loss; on 4 ranks,
+pp 2 x dp 2 with FSDP2, too. The recipe-level 2-rank run is in test_recipe_families.
 """
 
 from __future__ import annotations
@@ -243,3 +243,51 @@ def test_v_half_on_two_ranks_equals_one_process() -> None:
         got = {**results[1][i]["grads"], **results[0][i]["grads"]}
         assert results[0][i]["loss"] == pytest.approx(want_loss, rel=TIGHT), offload
         _assert_grads_close(got, want, TIGHT)
+
+
+def _pp_x_fsdp(rank: int, world: int) -> dict:
+    """pp 2 x dp 2: each replica runs V-Half on its half of the batch (MICROBATCHES microbatches), the
+    stages sharded with FSDP2; the aux weight counts the microbatches of both replicas."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor import DTensor
+
+    from pp_offload import ScheduleVHalf
+    from pp_offload.parallel import apply_fsdp, build_mesh, dp_rank, pp_rank
+
+    mesh = build_mesh(2, 2, device_type="cpu")
+    model = _model()
+    ids, labels = _batch(model, 2 * MICROBATCHES * ROWS)
+    half = slice(dp_rank(mesh) * MICROBATCHES * ROWS, (dp_rank(mesh) + 1) * MICROBATCHES * ROWS)
+    mine = [pp_rank(mesh), 3 - pp_rank(mesh)]
+    split = split_model(model, num_stages=4, stage_indices=mine)
+    sharded = apply_fsdp(split, mesh, split_backward=True)
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(sharded.modules[s], s, 4, torch.device("cpu"), group=group) for s in mine]
+    loss_fn = TokenCrossEntropy(router_aux_weight=split.router_aux.coef / (MICROBATCHES * 2))
+    loss_fn.num_target_tokens = labels.numel()
+    schedule = ScheduleVHalf(stages, MICROBATCHES, loss_fn=loss_fn, scale_grads=False)
+    sharded.attach(schedule)
+    losses: list[torch.Tensor] = []
+    if pp_rank(mesh) == 0:
+        schedule.step(ids[half], target=labels[half], losses=losses, return_outputs=False)
+    else:
+        schedule.step(return_outputs=False)
+    grads = {}
+    for name, p in split.module.named_parameters():
+        if p.grad is not None:
+            grads[name] = (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+    return {"loss": float(sum(float(t) for t in losses)), "grads": grads}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_pp_x_fsdp_equals_one_process_over_all_replicas_microbatches() -> None:
+    results = run_on_ranks(_pp_x_fsdp, 4, timeout=180)
+    model = _model()
+    ids, labels = _batch(model, 2 * MICROBATCHES * ROWS)
+    want_loss = _accumulated(model, ids, labels, 2 * MICROBATCHES)  # both replicas' microbatches, in order
+    want = _grads(model)
+    pp0 = [r for r in results if r["loss"]]  # the two ranks holding stage 0 and the last stage
+    assert len(pp0) == 2 and sum(r["loss"] for r in pp0) == pytest.approx(want_loss, rel=TIGHT)
+    for r in results:
+        _assert_grads_close(r["grads"], {n: want[n] for n in r["grads"]}, TIGHT)
+    assert set().union(*(r["grads"] for r in results)) == set(want)
