@@ -85,10 +85,12 @@ class RouterAux:
             logits = logits.reshape(-1, logits.shape[-1])
             weights = torch.softmax(logits, dim=-1)
             _, selected = torch.topk(weights, self.top_k, dim=-1)
+            # as transformers counts: histc (no device-to-host sync), on integers on GPUs (deterministic)
+            kind = torch.float32 if selected.device.type in ("cpu", "mps") else torch.int32
             routed = torch.histc(
-                selected.reshape(-1).to(torch.float32), bins=self.num_experts, min=0, max=self.num_experts
+                selected.reshape(-1).to(kind), bins=self.num_experts, min=0, max=self.num_experts
             )
-            counts = counts + routed
+            counts = counts + routed.to(torch.float32)
             probs = probs + weights.float().sum(dim=0)
             rows = rows + logits.shape[0]
         return torch.stack([torch.cat([counts, rows]), torch.cat([probs, zero])])
