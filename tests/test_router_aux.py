@@ -195,6 +195,7 @@ def test_eval_mode_errors_and_refusals() -> None:
     doge = tiny_model("doge", output_router_logits=True, router_aux_loss_coef=COEF)  # its own aux formula
     with pytest.raises(UnsupportedModelError, match="output_router_logits=True .*set config.output_router"):
         split_model(doge, num_stages=2, stage_indices=[0])
+    assert "no router module found" in verify.check_split(doge, split_model).reason  # no raise: a reason
 
 
 def _pipelined(rank: int, world: int, offloads: tuple[str | None, ...]) -> list[dict]:

@@ -200,7 +200,11 @@ def check_split(model: nn.Module, split_fn: Callable[..., Any], *, num_stages: i
                 raise _Refused(f"the unsplit shrunken model fails: {type(exc).__name__}: {exc}") from exc
             want = output.logits
             # a requested router aux loss is part of the objective: its gradient reaches every router
-            want_aux = output.aux_loss if router_aux_of(small) is not None else None
+            try:
+                requested = router_aux_of(small)
+            except UnsupportedModelError as exc:
+                raise _Refused(str(exc)) from exc
+            want_aux = output.aux_loss if requested is not None else None
             weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)) / want.numel() ** 0.5
             ((want * weight).sum() + (want_aux if want_aux is not None else 0.0)).backward()
             want_grads = {n: p.grad.clone() for n, p in small.named_parameters() if p.grad is not None}
@@ -234,11 +238,14 @@ def _coefficient_error(small: nn.Module, ids: torch.Tensor, positions: torch.Ten
     import torch.nn.functional as F
 
     coef = router_aux_of(small).coef  # type: ignore[union-attr]
-    with torch.no_grad():
-        torch.manual_seed(1)
-        out = small(input_ids=ids, labels=ids, position_ids=positions, use_cache=False)
-        ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-        implied = (float(out.loss) - float(ce)) / aux
+    try:
+        with torch.no_grad():
+            torch.manual_seed(1)
+            out = small(input_ids=ids, labels=ids, position_ids=positions, use_cache=False)
+            ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            implied = (float(out.loss) - float(ce)) / aux
+    except Exception as exc:  # the model's own forward with labels
+        return f"the unsplit shrunken model fails with labels: {type(exc).__name__}: {exc}"
     if abs(implied - coef) <= 1e-3 * abs(coef) + 1e-6:
         return ""
     return f"the model weighs its router aux loss by {implied:.4g}, the stages' loss would by {coef:.4g}"
