@@ -102,12 +102,13 @@ def test_committed_sweep_is_fresh_and_never_wrong() -> None:
     assert sum(rows[t]["status"] == "exact" for t in plan) >= 0.9 * len(plan)
 
 
-def test_a_requested_router_aux_loss_is_refused_not_dropped() -> None:
+def test_a_requested_router_aux_loss_is_carried_not_dropped() -> None:
+    """The proof includes the router aux loss (tests/test_router_aux.py has its exactness tests)."""
     model = tiny_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
-    with pytest.raises(UnsupportedModelError, match="output_router_logits=True .*set config.output_router"):
-        split_model(model, num_stages=2, stage_indices=[0])
+    split = split_model(model, num_stages=2, stage_indices=[0])
+    assert split.router_aux is not None and split.router_aux.coef == 0.02
     model.config.output_router_logits = False
-    split_model(model, num_stages=2, stage_indices=[0])
+    assert split_model(model, num_stages=2, stage_indices=[0]).router_aux is None
 
 
 def test_a_gpu_only_attention_kernel_is_proven_with_a_cpu_one() -> None:

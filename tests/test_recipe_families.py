@@ -1,6 +1,6 @@
 """The recipe on families whose forward does more than Llama's: a Granite-like model (embedding multiplier,
-logits scaling, residual and attention multipliers) and a Mixtral-like MoE, pipelined with V-Half on 2 gloo
-ranks, equal one process. (A requested router aux loss is refused at split time: see test_models_verify.)"""
+logits scaling, residual and attention multipliers) and a Mixtral-like MoE, without and with its router
+load-balancing loss, pipelined with V-Half on 2 gloo ranks, equal one process on the same microbatches."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ MIXTRAL = {
     "num_experts_per_tok": 2,
     "output_router_logits": False,
 }
+MIXTRAL_AUX = {**MIXTRAL, "output_router_logits": True, "router_aux_loss_coef": 0.5}
 REL, ABS = 1e-5, 1e-6  # fp32; pipelined and single-process runs sum microbatch grads in other orders
 
 
@@ -62,7 +63,7 @@ def _worker(rank: int, world: int, configs: list[dict], cache: str) -> list[list
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_granite_like_and_moe_v_half_equal_one_process(tmp_path: Path) -> None:
     cache = str(tmp_path / "cache")
-    models = {"granite": GRANITE, "mixtral": MIXTRAL}
+    models = {"granite": GRANITE, "mixtral": MIXTRAL, "mixtral-aux": MIXTRAL_AUX}
     configs = [_config(tmp_path / f"pp-{name}", model) for name, model in models.items()]
     pipelined = run_on_ranks(_worker, 2, configs, cache, timeout=300)[0]  # one spawn for both
     for (name, model), losses in zip(models.items(), pipelined, strict=True):
@@ -75,3 +76,6 @@ def test_granite_like_and_moe_v_half_equal_one_process(tmp_path: Path) -> None:
             atol=ABS,
             msg=lambda m, n=name: f"{n}: {m}",
         )
+    # the aux loss is trained, not dropped: same weights and data, the loss differs by coef x aux (~1)
+    aux_part = torch.tensor(pipelined[2]) - torch.tensor(pipelined[1])
+    assert bool((aux_part > 0.2).all()), aux_part

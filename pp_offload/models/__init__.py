@@ -14,7 +14,15 @@ from pp_offload.models.lora import (
     unwrap_peft,
 )
 from pp_offload.models.loss import IGNORE_INDEX, TokenCrossEntropy
-from pp_offload.models.split import CausalLMStage, KeptLayers, ModelSplit, balanced_layers, split_model
+from pp_offload.models.router_aux import RouterAux, router_aux_of
+from pp_offload.models.split import (
+    CausalLMStage,
+    KeptLayers,
+    ModelSplit,
+    balanced_layers,
+    chain_stages,
+    split_model,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -35,7 +43,10 @@ __all__ = [
     "KeptLayers",
     "ModelSplit",
     "UnsupportedModelError",
+    "RouterAux",
     "balanced_layers",
+    "chain_stages",
     "family_of",
+    "router_aux_of",
     "split_model",
 ]

@@ -27,8 +27,9 @@ from torch import nn
 from pp_offload.balance import balanced_layers
 from pp_offload.models.families import INPUT_OPS, LOGIT_OPS, Family, UnsupportedModelError, family_of
 from pp_offload.models.lora import unwrap_peft
+from pp_offload.models.router_aux import RouterAux, router_aux_of
 
-__all__ = ["CausalLMStage", "KeptLayers", "ModelSplit", "balanced_layers", "split_model"]
+__all__ = ["CausalLMStage", "KeptLayers", "ModelSplit", "balanced_layers", "chain_stages", "split_model"]
 
 
 class KeptLayers(nn.ModuleList):
@@ -74,16 +75,32 @@ def _trimmed(
 
 
 class CausalLMStage(nn.Module):
-    """One pipeline stage of a causal LM: ``forward(x, position_ids=None, attention_mask=None)``.
+    """One pipeline stage of a causal LM: ``forward(x, router_stats=None, position_ids=None,
+    attention_mask=None)``.
 
     ``x`` is ``input_ids`` on the first stage and the previous stage's hidden states elsewhere; the last
     stage returns logits, the others hidden states. Built by :func:`split_model`.
+
+    With a router aux loss (``router_aux`` set: the model asked for ``output_router_logits`` with a
+    non-zero ``router_aux_loss_coef``) and in train mode, the running router sums travel with the hidden
+    states (`pp_offload.models.router_aux`): stages after the first take them as ``router_stats``, stages
+    before the last return ``(hidden, router_stats)``, and the last returns ``(logits, aux_loss)`` (the
+    microbatch's aux loss, shape ``(1,)``) for
+    :class:`~pp_offload.models.loss.TokenCrossEntropy`. In eval mode the stages return what they return
+    without it (evaluation measures the language-model loss only).
     """
 
     def __init__(
-        self, model: nn.Module, family: Family, stage_index: int, num_stages: int, layer_ids: Sequence[int]
+        self,
+        model: nn.Module,
+        family: Family,
+        stage_index: int,
+        num_stages: int,
+        layer_ids: Sequence[int],
+        router_aux: RouterAux | None = None,
     ) -> None:
         super().__init__()
+        self.router_aux = router_aux
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.is_first = stage_index == 0
@@ -98,12 +115,48 @@ class CausalLMStage(nn.Module):
     def extra_repr(self) -> str:
         return f"stage {self.stage_index} of {self.num_stages}, layers {list(self.layer_ids)}"
 
+    @property
+    def carries_router_stats(self) -> bool:
+        """Whether this forward takes and returns the router aux sums (a router aux loss, train mode)."""
+        return self.router_aux is not None and self.training
+
     def forward(
         self,
         x: torch.Tensor,
+        router_stats: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not self.carries_router_stats:
+            if router_stats is not None:
+                raise ValueError(
+                    f"stage {self.stage_index} got router_stats but carries none (no router aux loss, or "
+                    "eval mode)"
+                )
+            return self._forward(x, position_ids, attention_mask)
+        aux = self.router_aux
+        assert aux is not None
+        if attention_mask is not None:
+            raise ValueError(
+                "a padding attention_mask with the router aux loss is not supported: transformers then "
+                "leaves padded tokens out of the routing statistics, which the stages do not; pack the "
+                "sequences (position_ids, no mask) or set config.output_router_logits = False"
+            )
+        if router_stats is None:
+            if not self.is_first:
+                raise ValueError(
+                    f"stage {self.stage_index} needs the previous stage's router_stats (the model has a "
+                    "router aux loss): pass the previous stage's whole output"
+                )
+            router_stats = aux.empty(x.device)
+        with aux.capture(self) as router_logits:
+            out = self._forward(x, position_ids, attention_mask)
+        stats = aux.accumulate(router_stats, router_logits)
+        # the aux loss as shape (1,), not a scalar: schedule.step's returned outputs concatenate the
+        # microbatches' outputs, giving one aux loss per microbatch (a 0-d tensor cannot be concatenated)
+        return (out, aux.loss(stats).reshape(1)) if self.is_last else (out, stats)
+
+    def _forward(self, x: torch.Tensor, position_ids: Any, attention_mask: Any) -> torch.Tensor:
         base = getattr(self, self._family.base)
         if position_ids is None:
             position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
@@ -242,13 +295,15 @@ class ModelSplit:
     ``stages`` maps stage index -> :class:`CausalLMStage` for the stages this rank holds;
     ``module`` holds all of them together under the model's parameter names (one entry per parameter,
     tied weights once): give it to the optimizer, to ``torch.distributed.checkpoint`` and to the export.
-    ``layers_per_stage`` is the split of the whole model.
+    ``layers_per_stage`` is the split of the whole model. ``router_aux``: the model's router aux loss
+    when it asks for one (its stages then carry the router sums; the loss function weighs the loss).
     """
 
     stages: dict[int, CausalLMStage]
     module: nn.Module
     layers_per_stage: list[int]
     family: Family
+    router_aux: RouterAux | None = None
 
     @property
     def stage_indices(self) -> list[int]:
@@ -295,16 +350,7 @@ def split_model(
             f"{type(model).__name__}: expected one input embedding (and dropout) before 'layers', got "
             f"{family.embeddings}"
         )
-    config = model.config
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
-        # HF adds router_aux_loss_coef x a load-balancing loss whose per-expert means run over all layers
-        # (on all stages) and the whole batch; pipeline stages return logits only, so training would
-        # silently drop it
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: output_router_logits=True (router_aux_loss_coef="
-            f"{config.router_aux_loss_coef}) asks for the router load-balancing loss, which pipeline stages "
-            "do not compute; set config.output_router_logits = False to train without it"
-        )
+    router_aux = router_aux_of(model)  # None unless output_router_logits with a non-zero coefficient
     if verify:
         from pp_offload.models.verify import verify_split
 
@@ -326,9 +372,28 @@ def split_model(
             )
     starts = [sum(split[:s]) for s in range(num_stages)]
     stages = {
-        s: CausalLMStage(model, family, s, num_stages, range(starts[s], starts[s] + split[s]))
+        s: CausalLMStage(model, family, s, num_stages, range(starts[s], starts[s] + split[s]), router_aux)
         for s in stage_indices
     }
     held = sorted(i for stage in stages.values() for i in stage.layer_ids)
     module = _trimmed(model, family, held, 0 in stages, num_stages - 1 in stages)
-    return ModelSplit(stages=stages, module=module, layers_per_stage=split, family=family)
+    return ModelSplit(
+        stages=stages, module=module, layers_per_stage=split, family=family, router_aux=router_aux
+    )
+
+
+def chain_stages(
+    stages: Sequence[CausalLMStage], input_ids: torch.Tensor, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``stages`` (all of a model's, in order) in one process: ``(logits, router aux loss or None)``.
+
+    What the pipeline does across ranks, for proofs and tests: each stage gets the previous one's whole
+    output (hidden states, and the router sums when the model has a router aux loss); ``kwargs``
+    (``position_ids``, ``attention_mask``) reach every stage, as ``schedule.step``'s keyword arguments do.
+    """
+    out: Any = (input_ids,)
+    for stage in stages:
+        out = stage(*(out if isinstance(out, tuple) else (out,)), **kwargs)
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None

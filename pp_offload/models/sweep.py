@@ -101,9 +101,9 @@ def chained_difference(model: torch.nn.Module, split_model: Any) -> tuple[float,
     layers = _layer_count(model)
     stages = min(4, layers)
     split = split_model(model, num_stages=stages, stage_indices=list(range(stages)), verify=False)
-    h = ids
-    for s in range(stages):
-        h = split.stages[s](h, position_ids=positions)
+    from pp_offload.models.split import chain_stages
+
+    h, _ = chain_stages([split.stages[s] for s in range(stages)], ids, position_ids=positions)
     logits_rel = _rel(h.detach(), want.detach())
     (h * weight).sum().backward()
     grad_rel = 0.0

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pp_offload.models.families import UnsupportedModelError
+from pp_offload.models.router_aux import router_aux_of
 from pp_offload.models.shrink import ShrinkError, shrunken_config
 
 __all__ = ["SplitCheck", "check_split", "verify_split"]
@@ -130,7 +131,9 @@ def _chained_logits(
     ids: torch.Tensor,
     positions: torch.Tensor,
     num_stages: int,
-) -> tuple[torch.Tensor, set[str]]:
+) -> tuple[torch.Tensor, torch.Tensor | None, set[str]]:
+    from pp_offload.models.split import chain_stages
+
     layers = _layer_count(small)
     stages = min(num_stages, layers)
     per = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
@@ -139,14 +142,12 @@ def _chained_logits(
             small, num_stages=stages, stage_indices=list(range(stages)), layers_per_stage=per, verify=False
         )
         torch.manual_seed(1)
-        h = ids
-        for s in range(stages):
-            h = split.stages[s](h, position_ids=positions)
+        h, aux = chain_stages([split.stages[s] for s in range(stages)], ids, position_ids=positions)
     except UnsupportedModelError as exc:
         raise _Refused(str(exc)) from exc
     except Exception as exc:
         raise _Refused(f"the stage forward fails: {type(exc).__name__}: {exc}") from exc
-    return h, {n for n, _ in split.module.named_parameters()}
+    return h, aux, {n for n, _ in split.module.named_parameters()}
 
 
 def _compare(
@@ -194,22 +195,60 @@ def check_split(model: nn.Module, split_fn: Callable[..., Any], *, num_stages: i
             ids, positions = _batch(int(small.config.vocab_size))
             try:
                 torch.manual_seed(1)
-                want = small(input_ids=ids, position_ids=positions, use_cache=False).logits
+                output = small(input_ids=ids, position_ids=positions, use_cache=False)
             except Exception as exc:
                 raise _Refused(f"the unsplit shrunken model fails: {type(exc).__name__}: {exc}") from exc
+            want = output.logits
+            # a requested router aux loss is part of the objective: its gradient reaches every router
+            try:
+                requested = router_aux_of(small)
+            except UnsupportedModelError as exc:
+                raise _Refused(str(exc)) from exc
+            want_aux = output.aux_loss if requested is not None else None
             weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)) / want.numel() ** 0.5
-            (want * weight).sum().backward()
+            ((want * weight).sum() + (want_aux if want_aux is not None else 0.0)).backward()
             want_grads = {n: p.grad.clone() for n, p in small.named_parameters() if p.grad is not None}
             small.zero_grad(set_to_none=True)
-            got, held = _chained_logits(small, split_fn, ids, positions, num_stages)
+            got, got_aux, held = _chained_logits(small, split_fn, ids, positions, num_stages)
             if got.shape != want.shape:
                 raise _Refused(
                     f"the last stage returns shape {tuple(got.shape)}, the model {tuple(want.shape)}"
                 )
-            (got * weight).sum().backward()
+            if (got_aux is None) != (want_aux is None):
+                raise _Refused(f"the model's router aux loss is {want_aux}, the stages' {got_aux}")
+            ((got * weight).sum() + (got_aux if got_aux is not None else 0.0)).backward()
         except _Refused as refused:
             return SplitCheck(ok=False, reason=str(refused))
+        if want_aux is not None:
+            coef_error = _coefficient_error(small, ids, positions, float(want_aux.detach()))
+            if coef_error:
+                return SplitCheck(ok=False, reason=coef_error)
+        if got_aux is not None and want_aux is not None:  # compared with the logits: both are outputs
+            got = torch.cat([got.detach().flatten(), got_aux.detach().reshape(1)])
+            want = torch.cat([want.detach().flatten(), want_aux.detach().reshape(1)])
         return _compare(small, got, want, want_grads, held)
+
+
+def _coefficient_error(small: nn.Module, ids: torch.Tensor, positions: torch.Tensor, aux: float) -> str:
+    """Why the aux loss's weight the loss function will use is not the model's own (empty if it is).
+
+    The weight is read from attributes (`pp_offload.models.router_aux`); the model's forward with labels
+    says what it really adds: ``loss - cross entropy = coef x aux``.
+    """
+    import torch.nn.functional as F
+
+    coef = router_aux_of(small).coef  # type: ignore[union-attr]
+    try:
+        with torch.no_grad():
+            torch.manual_seed(1)
+            out = small(input_ids=ids, labels=ids, position_ids=positions, use_cache=False)
+            ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            implied = (float(out.loss) - float(ce)) / aux
+    except Exception as exc:  # the model's own forward with labels
+        return f"the unsplit shrunken model fails with labels: {type(exc).__name__}: {exc}"
+    if abs(implied - coef) <= 1e-3 * abs(coef) + 1e-6:
+        return ""
+    return f"the model weighs its router aux loss by {implied:.4g}, the stages' loss would by {coef:.4g}"
 
 
 def _layer_count(model: nn.Module) -> int:

@@ -502,6 +502,8 @@ def build_pipeline(
     group = mesh["pp"].get_group()
     stages = [PipelineStage(split.stages[s], s, num_stages, device, group=group) for s in split.stage_indices]
     loss_fn = TokenCrossEntropy()
+    if split.router_aux is not None:  # each of the step's microbatches (all replicas) adds coef x aux / count
+        loss_fn.router_aux_weight = split.router_aux.coef / (spec.microbatches * topo.dp)
     kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
     if info.module == "pp_offload.runtime.schedules":
         kwargs["costs"] = spec.costs

@@ -45,7 +45,7 @@ from pp_offload.data import (
     load_examples,
     pack_examples,
 )
-from pp_offload.models import TokenCrossEntropy, export_pretrained
+from pp_offload.models import TokenCrossEntropy, export_pretrained, router_aux_of
 from pp_offload.models.evaluate import EvalResult, evaluate_model, evaluate_pipeline
 from pp_offload.models.lora import export_adapter, merged_state, unwrap_peft
 from pp_offload.parallel import build_mesh, clip_grad_norm_, grad_norm
@@ -201,7 +201,8 @@ class _Reference:
     def __init__(self, model: nn.Module, microbatches: int) -> None:
         self.model = model
         self.microbatches = microbatches
-        self.loss_fn = TokenCrossEntropy()
+        aux = router_aux_of(model)  # weighed as the pipeline weighs it: the mean over the microbatches
+        self.loss_fn = TokenCrossEntropy(None if aux is None else aux.coef / microbatches)
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         total = 0.0
@@ -210,8 +211,9 @@ class _Reference:
             strict=True,
         )
         for input_ids, labels, position_ids in chunks:
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-            loss = self.loss_fn(logits, labels)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            aux = out.aux_loss if self.loss_fn.router_aux_weight is not None else None
+            loss = self.loss_fn(out.logits if aux is None else (out.logits, aux), labels)
             loss.backward()
             total += float(loss.detach())
         return total
