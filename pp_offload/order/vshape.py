@@ -33,13 +33,16 @@ from functools import lru_cache, partial
 from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
 from pp_offload.order.compact import compact
+from pp_offload.order.cooldown import diagonal_cooldown
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
+from pp_offload.order.replay import replay
 from pp_offload.order.rhythm import rhythm_v_order
-from pp_offload.sim import OrderDeadlockError, simulate
+from pp_offload.sim import OrderDeadlockError
 
 _MAX_DOWN_OFFSET = 4
-_COMPACTED_CANDIDATES = 5
-_FINALISTS = 2
+_COMPACTED_CANDIDATES = 3
+_FINALISTS = 1
+_BELOW = 2
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -138,6 +141,14 @@ _UNIT_SHAPED_POLICIES = (
     GreedyPolicy(1, False, False, False, False),
 )
 
+# Below 1F1B's memory the block family (with its drain rewritten) wins almost everywhere; the greedy
+# family is kept at every cap with its two most useful policies, as a floor that reaches any cap >= 2.
+_EVERY_CAP_POLICIES = (
+    GreedyPolicy(1, False, True, False, False),
+    GreedyPolicy(1, False, True, False, True),
+    GreedyPolicy(0, False, True, True, True),
+)
+
 
 @dataclass(frozen=True)
 class _Generator:
@@ -148,9 +159,22 @@ class _Generator:
     build: Callable[[int], Order | None]
 
 
-def _generators(num_ranks: int, costs: Costs, cap: float) -> list[_Generator]:
-    gens = [
-        _Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in _candidates(num_ranks)
+def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
+    """The memory caps the greedy family is built at: every integer cap up to 16 ranks, then a stride
+    (the curve between two greedy caps is filled by the cap-free families)."""
+    step = max(1, num_ranks // 8)
+    caps = set(range(2, max_cap + 1, step)) | {max_cap, min(max_cap, v_min_cap(num_ranks))}
+    caps.add(min(max_cap, v_half_cap(num_ranks)))
+    return sorted(caps)
+
+
+def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Generator]:
+    """Every candidate of the search; none depends on the requested limit (see `_curve`)."""
+    d = num_ranks
+    gens = [_Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in _candidates(d)]
+    # 1F1B-rhythm orders, full fill (1F1B's memory) down to a one-forward fill.
+    gens += [
+        _Generator(f"rhythm(trim={t})", False, partial(rhythm_v_order, d, trim=t)) for t in range(2 * d - 1)
     ]
     # Greedy decisions taken with skewed durations can build a worse structure than the same greedy
     # run with unit costs, so both cost models generate candidates; the real costs always judge them.
@@ -158,67 +182,122 @@ def _generators(num_ranks: int, costs: Costs, cap: float) -> list[_Generator]:
     shaped = [(costs, p) for p in _GREEDY_POLICIES]
     if unit != costs:
         shaped += [(unit, p) for p in _UNIT_SHAPED_POLICIES]
-    # 1F1B-rhythm orders, full fill (1F1B's memory) down to a one-forward fill.
-    gens += [
-        _Generator(f"rhythm(trim={t})", False, partial(rhythm_v_order, num_ranks, trim=t))
-        for t in range(2 * num_ranks - 1)
-    ]
-    gens += [
-        _Generator(
-            f"greedy{policy}@{shape_costs}",
-            False,
-            partial(greedy_v_order, num_ranks, costs=shape_costs, memory_cap=cap, policy=policy),
-        )
-        for shape_costs, policy in shaped
-    ]
+    max_cap = one_f_one_b_peak(d, num_microbatches)
+    for cap in _greedy_caps(d, max_cap):
+        policies = shaped if cap == max_cap else [(costs, p) for p in _EVERY_CAP_POLICIES]
+        gens += [
+            _Generator(
+                f"greedy{policy}@{shape_costs}@cap{cap}",
+                False,
+                partial(greedy_v_order, d, costs=shape_costs, memory_cap=cap, policy=policy),
+            )
+            for shape_costs, policy in policies
+        ]
+    # Every candidate also with its drain rewritten; the real costs decide which version is better.
+    gens += [_Generator(f"cooldown({g.name})", g.canonical, partial(_with_cooldown, g.build)) for g in gens]
     return gens
 
 
-@lru_cache(maxsize=64)
-def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
-    """Best order within ``cap``.
+def _with_cooldown(build: Callable[[int], Order | None], num_microbatches: int) -> Order | None:
+    order = build(num_microbatches)
+    return None if order is None else diagonal_cooldown(order)
 
-    Staged so that large d and m stay fast. Every candidate is squeezed on a short horizon (``3d``
-    microbatches hold a full steady phase); the canonical patterns and the best few are compacted on that
-    horizon (compaction reshapes warm-up and cool-down, which a longer run only pushes apart); the best
-    ``_FINALISTS`` are then built for all ``m`` microbatches, checked against the cap, and compacted.
+
+@dataclass
+class _Scored:
+    makespan: float
+    peak: int
+    name: str
+    gen: _Generator
+    order: Order
+    cap: int = 0  # the cap it was compacted under (0: not compacted)
+
+
+def _score(gen: _Generator, num_microbatches: int, costs: Costs) -> _Scored | None:
+    order = gen.build(num_microbatches)
+    if order is None:
+        return None
+    try:
+        makespan, peak = replay(order, costs)
+    except OrderDeadlockError:
+        return None  # a family member that cannot run at this size
+    return _Scored(makespan, peak, gen.name, gen, order)
+
+
+def _compacted(item: _Scored, costs: Costs, cap: int) -> _Scored:
+    """``item`` with its gaps filled, its peak kept within ``cap``."""
+    order = compact(item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)))
+    makespan, peak = replay(order, costs)
+    return _Scored(makespan, peak, item.name, item.gen, order, cap)
+
+
+class _Curve:
+    """The search for one (d, m, costs), grown one cap at a time and kept for later requests.
+
+    Monotone in the limit by construction: what is done for cap ``c`` (which candidates are compacted,
+    under which cap, which become finalists) depends only on the candidates and on caps ``<= c``, never
+    on the requested limit; the answer for a limit is the fastest item of all caps up to it. A larger
+    limit only adds items. Lazy, so V-Min's small cap does not pay for V-ZB's.
+
+    Per cap ``c``: the ``_COMPACTED_CANDIDATES`` fastest candidates whose peak is ``c`` and the
+    ``_BELOW`` fastest with a smaller peak (compaction may spend the spare memory to fill gaps) are
+    compacted under ``c``. Staged so that large d and m stay fast: candidates are replayed and compacted
+    on a short horizon (``3d`` microbatches hold a full steady phase); the fastest compacted ones of cap
+    ``c`` are then built for all ``m`` microbatches and compacted again under ``c``.
     """
-    caps = dict.fromkeys(range(num_ranks), cap)
-    horizon = min(num_microbatches, 3 * num_ranks)
-    ranked = []
-    for gen in _generators(num_ranks, costs, cap):
-        order = gen.build(horizon)
-        if order is None:
-            continue
-        try:
-            result = simulate(order, costs)
-        except OrderDeadlockError:
-            continue  # a family member that cannot run at this size
-        if result.peak <= cap + 1e-9:
-            ranked.append((not gen.canonical, result.makespan, gen.name, gen, order))
-    ranked.sort(key=lambda item: item[:3])
-    # The canonical patterns are always compacted: their gaps are where compaction shines.
-    shortlist = [r for r in ranked if not r[0]] + [r for r in ranked if r[0]][:_COMPACTED_CANDIDATES]
-    scored = []
-    for _, _, name, gen, order in shortlist:
-        compacted = compact(order, costs, memory_cap=caps)
-        scored.append((simulate(compacted, costs).makespan, name, gen, compacted))
-    scored.sort(key=lambda item: item[:2])
-    if horizon == num_microbatches:
-        return scored[0][3] if scored else None
-    best = None
-    for _, _, gen, _ in scored[:_FINALISTS]:
-        order = gen.build(num_microbatches)
-        try:
-            if order is None or simulate(order, costs).peak > cap + 1e-9:
+
+    def __init__(self, num_ranks: int, num_microbatches: int, costs: Costs) -> None:
+        self.d, self.m, self.costs = num_ranks, num_microbatches, costs
+        self.horizon = min(num_microbatches, 3 * num_ranks)
+        gens = _generators(num_ranks, num_microbatches, costs)
+        scored = [s for s in (_score(g, self.horizon, costs) for g in gens) if s is not None]
+        self.ranked = sorted(scored, key=lambda i: (i.makespan, i.name))
+        self.done_cap = 1
+        self.compacted: list[_Scored] = []  # on the horizon, each tagged with the cap it was compacted under
+        self.final: list[_Scored] = []  # for all m microbatches
+        self.seen: set[tuple[str, int]] = set()
+
+    def best(self, cap: int) -> _Scored | None:
+        while self.done_cap < cap:
+            self.done_cap += 1
+            self._grow(self.done_cap)
+        fitting = [i for i in self.final if i.peak <= cap]
+        return min(fitting, key=lambda i: (i.makespan, i.peak, i.name), default=None)
+
+    def _grow(self, cap: int) -> None:
+        at = [i for i in self.ranked if i.peak == cap][:_COMPACTED_CANDIDATES]
+        below = [i for i in self.ranked if i.peak < cap][:_BELOW]
+        canonical = [i for i in self.ranked if i.gen.canonical and i.peak == cap]
+        fresh = []
+        for item in at + below + canonical:
+            if (item.name, cap) not in self.seen:
+                self.seen.add((item.name, cap))
+                fresh.append(_compacted(item, self.costs, cap))
+        self.compacted += fresh
+        if self.horizon == self.m:
+            self.final += fresh
+            return
+        # finalists of this cap: the fastest compacted under it, and the fastest of the caps below
+        ranked = sorted(self.compacted, key=lambda i: (i.makespan, i.name))
+        picks = [i for i in ranked if i.cap == cap][:_FINALISTS] + [i for i in ranked if i.cap < cap][:1]
+        for pick in picks:
+            if (pick.name, pick.cap, "full") in self.seen:
                 continue
-        except OrderDeadlockError:
-            continue
-        compacted = compact(order, costs, memory_cap=caps)
-        makespan = simulate(compacted, costs).makespan
-        if best is None or makespan < best[0] - 1e-9:
-            best = (makespan, compacted)
-    return None if best is None else best[1]
+            self.seen.add((pick.name, pick.cap, "full"))
+            full = _score(pick.gen, self.m, self.costs)
+            if full is not None and full.peak <= pick.cap:
+                self.final.append(_compacted(full, self.costs, pick.cap))
+
+
+@lru_cache(maxsize=16)
+def _curve(num_ranks: int, num_microbatches: int, costs: Costs) -> _Curve:
+    return _Curve(num_ranks, num_microbatches, costs)
+
+
+def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
+    """Fastest order found within ``cap`` chunk units per rank, or None."""
+    best = _curve(num_ranks, num_microbatches, costs).best(int(math.floor(cap + 1e-9)))
+    return None if best is None else best.order
 
 
 def smallest_feasible_peak(num_ranks: int, num_microbatches: int) -> float:
