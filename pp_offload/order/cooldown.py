@@ -93,8 +93,14 @@ def _rewrite_rank(
             held[chunk_of[a.stage_index]] += 1
     for idx, a in enumerate(actions):
         if keep[idx]:
-            placed.append((slot_of[(a.stage_index, a.computation_type, a.microbatch_index)], 0,
-                           chunk_of[a.stage_index], a.computation_type))
+            placed.append(
+                (
+                    slot_of[(a.stage_index, a.computation_type, a.microbatch_index)],
+                    0,
+                    chunk_of[a.stage_index],
+                    a.computation_type,
+                )
+            )
     # 3. weight passes into free slots after the last kept one, chunk 1 first
     used = {slot for slot, *_ in placed}
     last_w = max((slot for slot, _, _, kind in placed if kind == W), default=-1.0)

@@ -43,6 +43,7 @@ _MAX_DOWN_OFFSET = 4
 _COMPACTED_CANDIDATES = 3
 _FINALISTS = 1
 _BELOW = 2
+_SCREENING_ROUNDS = 1  # compaction rounds on the short horizon, where compaction only ranks
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -193,8 +194,6 @@ def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Ge
             )
             for shape_costs, policy in policies
         ]
-    # Every candidate also with its drain rewritten; the real costs decide which version is better.
-    gens += [_Generator(f"cooldown({g.name})", g.canonical, partial(_with_cooldown, g.build)) for g in gens]
     return gens
 
 
@@ -213,10 +212,25 @@ class _Scored:
     cap: int = 0  # the cap it was compacted under (0: not compacted)
 
 
-def _score(gen: _Generator, num_microbatches: int, costs: Costs) -> _Scored | None:
+def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -> list[_Scored]:
+    """The candidate, and the candidate with its drain rewritten: the real costs decide which is better."""
     order = gen.build(num_microbatches)
     if order is None:
-        return None
+        return []
+    cooled_gen = _Generator(f"cooldown({gen.name})", gen.canonical, partial(_with_cooldown, gen.build))
+    cooled = diagonal_cooldown(order)
+    found = [_measure(gen, order, costs)]
+    if cooled is not None:
+        found.append(_measure(cooled_gen, cooled, costs))
+    return [s for s in found if s is not None]
+
+
+def _score(gen: _Generator, num_microbatches: int, costs: Costs) -> _Scored | None:
+    order = gen.build(num_microbatches)
+    return None if order is None else _measure(gen, order, costs)
+
+
+def _measure(gen: _Generator, order: Order, costs: Costs) -> _Scored | None:
     try:
         makespan, peak = replay(order, costs)
     except OrderDeadlockError:
@@ -224,9 +238,9 @@ def _score(gen: _Generator, num_microbatches: int, costs: Costs) -> _Scored | No
     return _Scored(makespan, peak, gen.name, gen, order)
 
 
-def _compacted(item: _Scored, costs: Costs, cap: int) -> _Scored:
+def _compacted(item: _Scored, costs: Costs, cap: int, rounds: int = 3) -> _Scored:
     """``item`` with its gaps filled, its peak kept within ``cap``."""
-    order = compact(item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)))
+    order = compact(item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds)
     makespan, peak = replay(order, costs)
     return _Scored(makespan, peak, item.name, item.gen, order, cap)
 
@@ -250,7 +264,7 @@ class _Curve:
         self.d, self.m, self.costs = num_ranks, num_microbatches, costs
         self.horizon = min(num_microbatches, 3 * num_ranks)
         gens = _generators(num_ranks, num_microbatches, costs)
-        scored = [s for s in (_score(g, self.horizon, costs) for g in gens) if s is not None]
+        scored = [s for g in gens for s in _score_with_cooldown(g, self.horizon, costs)]
         self.ranked = sorted(scored, key=lambda i: (i.makespan, i.name))
         self.done_cap = 1
         self.compacted: list[_Scored] = []  # on the horizon, each tagged with the cap it was compacted under
@@ -265,21 +279,27 @@ class _Curve:
         return min(fitting, key=lambda i: (i.makespan, i.peak, i.name), default=None)
 
     def _grow(self, cap: int) -> None:
-        at = [i for i in self.ranked if i.peak == cap][:_COMPACTED_CANDIDATES]
-        below = [i for i in self.ranked if i.peak < cap][:_BELOW]
+        # Below V-Min's memory only the greedy family fits and the bubble is large whatever is done:
+        # one candidate per cap keeps every limit >= 2 feasible at a fraction of the cost.
+        low = cap < v_min_cap(self.d)
+        at = [i for i in self.ranked if i.peak == cap][: 1 if low else _COMPACTED_CANDIDATES]
+        below = [] if low else [i for i in self.ranked if i.peak < cap][:_BELOW]
         canonical = [i for i in self.ranked if i.gen.canonical and i.peak == cap]
         fresh = []
         for item in at + below + canonical:
             if (item.name, cap) not in self.seen:
                 self.seen.add((item.name, cap))
-                fresh.append(_compacted(item, self.costs, cap))
+                rounds = 3 if self.horizon == self.m else _SCREENING_ROUNDS
+                fresh.append(_compacted(item, self.costs, cap, rounds))
         self.compacted += fresh
         if self.horizon == self.m:
             self.final += fresh
             return
         # finalists of this cap: the fastest compacted under it, and the fastest of the caps below
         ranked = sorted(self.compacted, key=lambda i: (i.makespan, i.name))
-        picks = [i for i in ranked if i.cap == cap][:_FINALISTS] + [i for i in ranked if i.cap < cap][:1]
+        picks = [i for i in ranked if i.cap == cap][:_FINALISTS] + [i for i in ranked if i.cap < cap][
+            : 1 - low
+        ]
         for pick in picks:
             if (pick.name, pick.cap, "full") in self.seen:
                 continue
