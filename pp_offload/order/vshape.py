@@ -40,7 +40,10 @@ from pp_offload.order.rhythm import rhythm_v_order
 from pp_offload.sim import OrderDeadlockError
 
 _MAX_DOWN_OFFSET = 4
-_COMPACTED_CANDIDATES = 3
+# Forward turn gaps tried. 2 and 3 (and down offsets of 5) add blocks that rank well squeezed but lose
+# after compaction, crowding better candidates out of the shortlist: measured worse at d=8.
+_TURN_F = (1,)
+_COMPACTED_CANDIDATES = 5
 _FINALISTS = 1
 _BELOW = 2
 _SCREENING_ROUNDS = 1  # compaction rounds on the short horizon, where compaction only ranks
@@ -143,7 +146,8 @@ _UNIT_SHAPED_POLICIES = (
 )
 
 # Below 1F1B's memory the block family (with its drain rewritten) wins almost everywhere; the greedy
-# family is kept at every cap with its two most useful policies, as a floor that reaches any cap >= 2.
+# family is kept with its three most useful policies (one below V-Min's cap, where it only has to
+# exist: it reaches any cap >= 2).
 _EVERY_CAP_POLICIES = (
     GreedyPolicy(1, False, True, False, False),
     GreedyPolicy(1, False, True, False, True),
@@ -161,11 +165,17 @@ class _Generator:
 
 
 def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
-    """The memory caps the greedy family is built at: every integer cap up to 16 ranks, then a stride
-    (the curve between two greedy caps is filled by the cap-free families)."""
-    step = max(1, num_ranks // 8)
-    caps = set(range(2, max_cap + 1, step)) | {max_cap, min(max_cap, v_min_cap(num_ranks))}
-    caps.add(min(max_cap, v_half_cap(num_ranks)))
+    """The memory caps the greedy family is built at (it is the costliest family to build).
+
+    Every cap from V-Min's up for d <= 8; a stride of d/4 beyond, and below V-Min's cap (where only
+    this family fits, so it is the floor that keeps every limit >= 2 feasible). The curve between two
+    greedy caps is filled by the cap-free families.
+    """
+    d = num_ranks
+    low = min(max_cap, v_min_cap(d))
+    stride = max(1, d // 4)
+    caps = set(range(2, low, stride)) | set(range(low, max_cap + 1, 1 if d <= 8 else stride))
+    caps |= {max_cap, low, min(max_cap, v_half_cap(d))}
     return sorted(caps)
 
 
@@ -185,7 +195,11 @@ def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Ge
         shaped += [(unit, p) for p in _UNIT_SHAPED_POLICIES]
     max_cap = one_f_one_b_peak(d, num_microbatches)
     for cap in _greedy_caps(d, max_cap):
-        policies = shaped if cap == max_cap else [(costs, p) for p in _EVERY_CAP_POLICIES]
+        policies = [(costs, p) for p in _EVERY_CAP_POLICIES]
+        if cap == max_cap:
+            policies = shaped
+        elif cap < v_min_cap(d):
+            policies = policies[:1]
         gens += [
             _Generator(
                 f"greedy{policy}@{shape_costs}@cap{cap}",
@@ -282,8 +296,10 @@ class _Curve:
         # Below V-Min's memory only the greedy family fits and the bubble is large whatever is done:
         # one candidate per cap keeps every limit >= 2 feasible at a fraction of the cost.
         low = cap < v_min_cap(self.d)
-        at = [i for i in self.ranked if i.peak == cap][: 1 if low else _COMPACTED_CANDIDATES]
-        below = [] if low else [i for i in self.ranked if i.peak < cap][:_BELOW]
+        # Each compaction costs ~d * m: deeper pipelines compact fewer candidates per cap.
+        keep_at, keep_below = (_COMPACTED_CANDIDATES, _BELOW) if self.d <= 8 else (2, 1)
+        at = [i for i in self.ranked if i.peak == cap][: 1 if low else keep_at]
+        below = [] if low else [i for i in self.ranked if i.peak < cap][:keep_below]
         canonical = [i for i in self.ranked if i.gen.canonical and i.peak == cap]
         fresh = []
         for item in at + below + canonical:
@@ -352,23 +368,26 @@ def _candidates(num_ranks: int) -> tuple[_Candidate, ...]:
             splits = [d - 1] if a == b else range(1, d - 1, step)
             for k in splits:
                 down = [a] * k + [b] * (d - 1 - k)
-                for block in _collision_free_blocks(d, down):
-                    add(f"down={a}x{k},{b}", block)
+                for turns, block in _collision_free_blocks(d, down):
+                    add(f"down={a}x{k},{b} turns={turns}", block)
     return tuple(found.values())
 
 
-def _collision_free_blocks(d: int, down: list[int]) -> Iterable[VBlock]:
+def _collision_free_blocks(d: int, down: list[int]) -> Iterable[tuple[str, VBlock]]:
     """Blocks for these down offsets whose F/f/I/i take distinct slots mod the period on every rank.
 
     Distinct residues mean a rank's stable phase has no two passes competing for one slot. For each
-    turn gap, the smallest backward delay that achieves it (longer delays only lengthen lifespans).
+    pair of turn gaps (forward: `_TURN_F`, backward: 1 to 3 slots), the smallest backward delay that
+    achieves it (longer delays only lengthen lifespans).
+    Yields ``("turn_f/turn_b/delay", block)``.
     """
-    for turn_b in (1, 2, 3):
-        for delay in range(1, PERIOD + 1):
-            block = v_block(d, down=down, backward_delay=delay, turn_f=1, turn_b=turn_b)
-            if all(_distinct_residues(slots) for slots in block.slots):
-                yield block
-                break
+    for turn_f in _TURN_F:
+        for turn_b in (1, 2, 3):
+            for delay in range(1, PERIOD + 1):
+                block = v_block(d, down=down, backward_delay=delay, turn_f=turn_f, turn_b=turn_b)
+                if all(_distinct_residues(slots) for slots in block.slots):
+                    yield f"{turn_f}/{turn_b}/{delay}", block
+                    break
 
 
 def _distinct_residues(slots: dict) -> bool:
