@@ -146,8 +146,8 @@ _UNIT_SHAPED_POLICIES = (
 )
 
 # Below 1F1B's memory the block family (with its drain rewritten) wins almost everywhere; the greedy
-# family is kept with its three most useful policies (one below V-Min's cap, where it only has to
-# exist: it reaches any cap >= 2).
+# family is kept with its three most useful policies (all of them below V-Min's cap, where it is the
+# only family that fits: it reaches any cap >= 2).
 _EVERY_CAP_POLICIES = (
     GreedyPolicy(1, False, True, False, False),
     GreedyPolicy(1, False, True, False, True),
@@ -196,10 +196,8 @@ def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Ge
     max_cap = one_f_one_b_peak(d, num_microbatches)
     for cap in _greedy_caps(d, max_cap):
         policies = [(costs, p) for p in _EVERY_CAP_POLICIES]
-        if cap == max_cap:
+        if cap == max_cap or cap < v_min_cap(d):
             policies = shaped
-        elif cap < v_min_cap(d):
-            policies = policies[:1]
         gens += [
             _Generator(
                 f"greedy{policy}@{shape_costs}@cap{cap}",
@@ -294,11 +292,11 @@ class _Curve:
 
     def _grow(self, cap: int) -> None:
         # Below V-Min's memory only the greedy family fits and the bubble is large whatever is done:
-        # one candidate per cap keeps every limit >= 2 feasible at a fraction of the cost.
+        # two candidates per cap keep every limit >= 2 feasible at a fraction of the cost.
         low = cap < v_min_cap(self.d)
         # Each compaction costs ~d * m: deeper pipelines compact fewer candidates per cap.
         keep_at, keep_below = (_COMPACTED_CANDIDATES, _BELOW) if self.d <= 8 else (2, 1)
-        at = [i for i in self.ranked if i.peak == cap][: 1 if low else keep_at]
+        at = [i for i in self.ranked if i.peak == cap][: 2 if low else keep_at]
         below = [] if low else [i for i in self.ranked if i.peak < cap][:keep_below]
         canonical = [i for i in self.ranked if i.gen.canonical and i.peak == cap]
         fresh = []
@@ -313,9 +311,7 @@ class _Curve:
             return
         # finalists of this cap: the fastest compacted under it, and the fastest of the caps below
         ranked = sorted(self.compacted, key=lambda i: (i.makespan, i.name))
-        picks = [i for i in ranked if i.cap == cap][:_FINALISTS] + [i for i in ranked if i.cap < cap][
-            : 1 - low
-        ]
+        picks = [i for i in ranked if i.cap == cap][:_FINALISTS] + [i for i in ranked if i.cap < cap][:1]
         for pick in picks:
             if (pick.name, pick.cap, "full") in self.seen:
                 continue
