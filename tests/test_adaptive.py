@@ -158,3 +158,33 @@ def test_doc_python_blocks_run(tmp_path, monkeypatch, capsys):
         assert not block.startswith("# torchrun"), "this page's examples are single-process"
         exec(compile(block, f"{DOC.name}[{i}]", "exec"), {"__name__": "__main__"})
         assert capsys.readouterr().out.strip(), f"block {i} prints nothing"
+
+
+# --- disk cache ---------------------------------------------------------------------------------------
+
+
+def test_disk_cache_returns_the_searched_order(tmp_path, monkeypatch):
+    from pp_offload.order import cache, vshape
+
+    monkeypatch.setenv(cache.ENV, str(tmp_path))
+    first = adaptive_v_order(3, 6, 0.75, SKEWED)
+    assert len(list(tmp_path.glob("v-order-*.json"))) == 1
+
+    def no_search(*args):
+        raise AssertionError("the cached order should have been used")
+
+    monkeypatch.setattr(vshape, "_search", no_search)
+    assert adaptive_v_order(3, 6, 0.75, SKEWED) == first
+    assert adaptive_v_order(3, 6, 0.8, SKEWED) == first  # 4.5 and 4.8 chunk units: the same whole cap
+    (next(tmp_path.glob("v-order-*.json"))).write_text("not json")
+    with pytest.raises(AssertionError, match="cached order"):  # a bad entry is ignored: searched again
+        adaptive_v_order(3, 6, 0.75, SKEWED)
+
+
+def test_no_cache_without_the_variable(tmp_path, monkeypatch):
+    from pp_offload.order import cache
+
+    monkeypatch.delenv(cache.ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    adaptive_v_order(2, 4, 0.75)
+    assert not list(tmp_path.rglob("*.json"))

@@ -1,20 +1,21 @@
 """V-shape orders under a memory cap: V-Min, V-Half, V-ZB and the adaptive scheduler.
 
-One mechanism serves all four: generate candidates from three families, judge them with the *real*
-costs in the simulator, keep the fastest within the memory cap.
+One mechanism serves all four, which are points on one curve of bubble against memory: generate
+candidates, judge them with the *real* costs, keep the fastest within the memory cap.
 
 - building blocks (`pp_offload.order.blocks`): the paper's V-Min (offsets 1/1) and V-Half (2/1)
-  patterns, plus every "first K ranks on down-offset a, the rest on b" pattern its adaptive scheduler
-  searches, repeated over the microbatches;
-- greedy orders (`pp_offload.order.greedy`) built under the cap, a few policy variants, shaped by the
-  real costs and by unit costs;
+  patterns, plus every "first K ranks on down-offset a, the rest on b" pattern (mixed offsets give
+  every integer peak between d and 2d), repeated over the microbatches;
+- greedy orders (`pp_offload.order.greedy`) built under a range of caps, a few policy variants;
 - 1F1B-rhythm orders (`pp_offload.order.rhythm`), full to shortest fill: robust to comm latency and
-  skewed F/I/W costs (this is the structure of torch's ZBV schedule).
+  skewed F/I/W costs (this is the structure of torch's ZBV schedule);
+- each of the above with its drain rewritten (`pp_offload.order.cooldown`): input gradients of the two
+  chunks interleaved on diagonals, weight passes held back to fill the drain.
 
-The best are compacted (`pp_offload.order.compact`: idle gaps filled without raising any rank's peak).
-So every order respects its cap by construction (its simulated peak is checked), the paper's canonical
-patterns are always compacted (their bubbles are a ceiling), and unbalanced costs or comm latency pick
-another structure when one is faster.
+The best are compacted (`pp_offload.order.compact`: idle gaps filled without raising any rank's peak
+above the cap it is compacted under). The search is grown cap by cap (`_Curve`) and none of its choices
+depends on the requested limit, so a larger limit never gives a slower order. Every order respects its
+cap (its replayed peak is checked). Results can be cached on disk (`pp_offload.order.cache`).
 
 Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 - V-Min:  ``2 * floor((d + 4) / 3)``, about 1/3 of 1F1B;
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
+from pp_offload.order import cache as order_cache
 from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
 from pp_offload.order.compact import compact
@@ -117,7 +119,14 @@ def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label:
     _check_sizes(num_ranks, num_microbatches)
     costs = Costs.coerce(costs)
     smallest = smallest_feasible_peak(num_ranks, num_microbatches)
-    order = _search(num_ranks, num_microbatches, costs, float(cap)) if cap >= smallest - 1e-9 else None
+    order = None
+    if cap >= smallest - 1e-9:
+        whole = int(math.floor(cap + 1e-9))  # peaks are whole chunk units
+        order = order_cache.load(num_ranks, num_microbatches, costs, whole)
+        if order is None:
+            order = _search(num_ranks, num_microbatches, costs, whole)
+            if order is not None:
+                order_cache.store(num_ranks, num_microbatches, costs, whole, order)
     if order is None:
         reference = one_f_one_b_peak(num_ranks, num_microbatches)
         limit = math.ceil(smallest / reference * 1e4) / 1e4  # rounded up: the printed limit must work
