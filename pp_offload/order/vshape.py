@@ -368,8 +368,10 @@ def _candidates(num_ranks: int) -> tuple[_Candidate, ...]:
     x_half = 3 if d % 2 == 0 else 0
     add("V-Half", v_block(d, down=[2] * (d - 1), backward_delay=1 + x_half, turn_f=1, turn_b=2))
     step = max(1, (d - 1) // 8)
-    for a in range(1, _MAX_DOWN_OFFSET + 1):
-        for b in range(1, _MAX_DOWN_OFFSET + 1):
+    # Deeper pipelines need larger offsets to reach peaks near 2d (d=16: offsets 5 and 6 fill 24..31).
+    top = _MAX_DOWN_OFFSET if d <= 8 else _MAX_DOWN_OFFSET + 2
+    for a in range(1, top + 1):
+        for b in range(1, top + 1):
             splits = [d - 1] if a == b else range(1, d - 1, step)
             for k in splits:
                 down = [a] * k + [b] * (d - 1 - k)
