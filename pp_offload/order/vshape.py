@@ -191,7 +191,9 @@ def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
 def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Generator]:
     """Every candidate of the search; none depends on the requested limit (see `_curve`)."""
     d = num_ranks
-    gens = [_Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in _candidates(d)]
+    # Deeper pipelines need larger offsets to reach peaks near 2d (d=16: offsets 5 and 6 fill 24..31).
+    blocks = _candidates(d, _MAX_DOWN_OFFSET if d <= 8 else _MAX_DOWN_OFFSET + 2)
+    gens = [_Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in blocks]
     # 1F1B-rhythm orders, full fill (1F1B's memory) down to a one-forward fill.
     gens += [
         _Generator(f"rhythm(trim={t})", False, partial(rhythm_v_order, d, trim=t)) for t in range(2 * d - 1)
@@ -354,8 +356,9 @@ def smallest_feasible_peak(num_ranks: int, num_microbatches: int) -> float:
 
 
 @lru_cache(maxsize=32)
-def _candidates(num_ranks: int) -> tuple[_Candidate, ...]:
-    """The offset space: canonical V-Min/V-Half plus two-segment down-offset patterns."""
+def _candidates(num_ranks: int, max_offset: int = _MAX_DOWN_OFFSET) -> tuple[_Candidate, ...]:
+    """The offset space: canonical V-Min/V-Half plus two-segment down-offset patterns, offsets up to
+    ``max_offset`` (the planner's fast path uses the default; the search goes further for deep pipelines)."""
     d = num_ranks
     found: dict[tuple, _Candidate] = {}
 
@@ -368,10 +371,8 @@ def _candidates(num_ranks: int) -> tuple[_Candidate, ...]:
     x_half = 3 if d % 2 == 0 else 0
     add("V-Half", v_block(d, down=[2] * (d - 1), backward_delay=1 + x_half, turn_f=1, turn_b=2))
     step = max(1, (d - 1) // 8)
-    # Deeper pipelines need larger offsets to reach peaks near 2d (d=16: offsets 5 and 6 fill 24..31).
-    top = _MAX_DOWN_OFFSET if d <= 8 else _MAX_DOWN_OFFSET + 2
-    for a in range(1, top + 1):
-        for b in range(1, top + 1):
+    for a in range(1, max_offset + 1):
+        for b in range(1, max_offset + 1):
             splits = [d - 1] if a == b else range(1, d - 1, step)
             for k in splits:
                 down = [a] * k + [b] * (d - 1 - k)
