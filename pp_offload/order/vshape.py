@@ -171,6 +171,7 @@ class _Generator:
     name: str
     canonical: bool
     build: Callable[[int], Order | None]
+    extra: bool = False  # a wide-offset block: shortlisted on its own quota (see `_Curve._grow`)
 
 
 def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
@@ -191,9 +192,17 @@ def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
 def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Generator]:
     """Every candidate of the search; none depends on the requested limit (see `_curve`)."""
     d = num_ranks
-    # Deeper pipelines need larger offsets to reach peaks near 2d (d=16: offsets 5 and 6 fill 24..31).
-    blocks = _candidates(d, _MAX_DOWN_OFFSET if d <= 8 else _MAX_DOWN_OFFSET + 2)
-    gens = [_Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in blocks]
+    gens = [_Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in _candidates(d)]
+    if d > 8:
+        # Deeper pipelines need larger offsets to reach peaks near 2d (d=16: offsets 5 and 6 fill
+        # 24..31). They are many and rank well before compaction but rarely after, so they get their own
+        # shortlist quota instead of crowding the others out.
+        known = {_block_key(c.block) for c in _candidates(d)}
+        gens += [
+            _Generator(c.name, False, c.block.repeat, extra=True)
+            for c in _candidates(d, _MAX_DOWN_OFFSET + 2)
+            if _block_key(c.block) not in known
+        ]
     # 1F1B-rhythm orders, full fill (1F1B's memory) down to a one-forward fill.
     gens += [
         _Generator(f"rhythm(trim={t})", False, partial(rhythm_v_order, d, trim=t)) for t in range(2 * d - 1)
@@ -240,7 +249,9 @@ def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -
     order = gen.build(num_microbatches)
     if order is None:
         return []
-    cooled_gen = _Generator(f"cooldown({gen.name})", gen.canonical, partial(_with_cooldown, gen.build))
+    cooled_gen = _Generator(
+        f"cooldown({gen.name})", gen.canonical, partial(_with_cooldown, gen.build), gen.extra
+    )
     cooled = diagonal_cooldown(order)
     found = [_measure(gen, order, costs)]
     if cooled is not None:
@@ -307,8 +318,8 @@ class _Curve:
         low = cap < v_min_cap(self.d)
         # Each compaction costs ~d * m: deeper pipelines compact fewer candidates per cap.
         keep_at, keep_below = (_COMPACTED_CANDIDATES, _BELOW) if self.d <= 8 else (2, 1)
-        at = [i for i in self.ranked if i.peak == cap][: 2 if low else keep_at]
-        below = [] if low else [i for i in self.ranked if i.peak < cap][:keep_below]
+        at = _quota([i for i in self.ranked if i.peak == cap], 2 if low else keep_at)
+        below = [] if low else _quota([i for i in self.ranked if i.peak < cap], keep_below)
         canonical = [i for i in self.ranked if i.gen.canonical and i.peak == cap]
         fresh = []
         for item in at + below + canonical:
@@ -322,7 +333,9 @@ class _Curve:
             return
         # finalists of this cap: the fastest compacted under it, and the fastest of the caps below
         ranked = sorted(self.compacted, key=lambda i: (i.makespan, i.name))
-        picks = [i for i in ranked if i.cap == cap][:_FINALISTS] + [i for i in ranked if i.cap < cap][:1]
+        picks = (
+            _quota([i for i in ranked if i.cap == cap], _FINALISTS) + [i for i in ranked if i.cap < cap][:1]
+        )
         for pick in picks:
             if (pick.name, pick.cap, "full") in self.seen:
                 continue
@@ -330,6 +343,11 @@ class _Curve:
             full = _score(pick.gen, self.m, self.costs)
             if full is not None and full.peak <= pick.cap:
                 self.final.append(_compacted(full, self.costs, pick.cap))
+
+
+def _quota(ranked: list[_Scored], keep: int) -> list[_Scored]:
+    """The ``keep`` fastest ordinary items and the fastest wide-offset block (if any), in rank order."""
+    return [i for i in ranked if not i.gen.extra][:keep] + [i for i in ranked if i.gen.extra][:1]
 
 
 @lru_cache(maxsize=16)
@@ -363,8 +381,7 @@ def _candidates(num_ranks: int, max_offset: int = _MAX_DOWN_OFFSET) -> tuple[_Ca
     found: dict[tuple, _Candidate] = {}
 
     def add(name: str, block: VBlock) -> None:
-        key = tuple(tuple(sorted(s.items())) for s in block.slots)
-        found.setdefault(key, _Candidate(name, block))
+        found.setdefault(_block_key(block), _Candidate(name, block))
 
     x_min = 2 if d % 3 == 0 else 0
     add("V-Min", v_block(d, down=[1] * (d - 1), backward_delay=1 + x_min, turn_f=1, turn_b=1))
@@ -379,6 +396,10 @@ def _candidates(num_ranks: int, max_offset: int = _MAX_DOWN_OFFSET) -> tuple[_Ca
                 for turns, block in _collision_free_blocks(d, down):
                     add(f"down={a}x{k},{b} turns={turns}", block)
     return tuple(found.values())
+
+
+def _block_key(block: VBlock) -> tuple:
+    return tuple(tuple(sorted(s.items())) for s in block.slots)
 
 
 def _collision_free_blocks(d: int, down: list[int]) -> Iterable[tuple[str, VBlock]]:
