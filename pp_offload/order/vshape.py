@@ -172,6 +172,7 @@ class _Generator:
     canonical: bool
     build: Callable[[int], Order | None]
     extra: bool = False  # a wide-offset block: shortlisted on its own quota (see `_Curve._grow`)
+    cap: int = 0  # built under this memory cap (greedy): joins the search when it reaches that cap
 
 
 def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
@@ -223,6 +224,7 @@ def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Ge
                 f"greedy{policy}@{shape_costs}@cap{cap}",
                 False,
                 partial(greedy_v_order, d, costs=shape_costs, memory_cap=cap, policy=policy),
+                cap=cap,
             )
             for shape_costs, policy in policies
         ]
@@ -250,7 +252,7 @@ def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -
     if order is None:
         return []
     cooled_gen = _Generator(
-        f"cooldown({gen.name})", gen.canonical, partial(_with_cooldown, gen.build), gen.extra
+        f"cooldown({gen.name})", gen.canonical, partial(_with_cooldown, gen.build), gen.extra, gen.cap
     )
     cooled = diagonal_cooldown(order)
     found = [_measure(gen, order, costs)]
@@ -298,8 +300,13 @@ class _Curve:
         self.d, self.m, self.costs = num_ranks, num_microbatches, costs
         self.horizon = min(num_microbatches, 3 * num_ranks)
         gens = _generators(num_ranks, num_microbatches, costs)
-        scored = [s for g in gens for s in _score_with_cooldown(g, self.horizon, costs)]
-        self.ranked = sorted(scored, key=lambda i: (i.makespan, i.name))
+        # Greedy orders are the costliest to build: each joins when the search reaches its cap (and
+        # only then, whatever its peak), so a small limit never pays for the large caps' greedy runs.
+        self.pending: dict[int, list[_Generator]] = {}
+        for g in gens:
+            self.pending.setdefault(g.cap, []).append(g)
+        self.ranked: list[_Scored] = []
+        self._admit(0)
         self.done_cap = 1
         self.compacted: list[_Scored] = []  # on the horizon, each tagged with the cap it was compacted under
         self.final: list[_Scored] = []  # for all m microbatches
@@ -312,7 +319,14 @@ class _Curve:
         fitting = [i for i in self.final if i.peak <= cap]
         return min(fitting, key=lambda i: (i.makespan, i.peak, i.name), default=None)
 
+    def _admit(self, cap: int) -> None:
+        fresh = [
+            s for g in self.pending.pop(cap, []) for s in _score_with_cooldown(g, self.horizon, self.costs)
+        ]
+        self.ranked = sorted(self.ranked + fresh, key=lambda i: (i.makespan, i.name))
+
     def _grow(self, cap: int) -> None:
+        self._admit(cap)
         # Below V-Min's memory only the greedy family fits and the bubble is large whatever is done:
         # two candidates per cap keep every limit >= 2 feasible at a fraction of the cost.
         low = cap < v_min_cap(self.d)
