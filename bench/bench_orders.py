@@ -11,7 +11,10 @@ Three parts:
    ``infeasible (min X)``), and torch's 1F1B, Interleaved1F1B, ZBVZeroBubble and DualPipeV;
 2. a memory-bound sweep over every d in 2..32 and m in {1, 2, d, 2d-1, 2d, 3d, 4d}: V-Min <=
    2*floor((d+4)/3), V-Half <= 2*floor((d+2)/2), V-ZB <= 2d chunk units per rank;
-3. the papers' reference bubbles (target / measured / verdict).
+3. the papers' reference bubbles (target / measured / verdict);
+4. the adaptive sweep (`adaptive_sweep.py`): every integer memory limit from d to 2d, d in {4, 8, 16},
+   m in {2d, 4d}, costs 1:1:1 and 3:4:2, against the reference adaptive scheduler's values where known
+   (``--adaptive-only`` runs just this part and writes ``adaptive.json`` / ``adaptive.png``).
 
     python bench/bench_orders.py              # everything (several minutes)
     python bench/bench_orders.py --quick      # d in {2, 4}, m in {2d, 4d}, small sweep: a smoke test
@@ -177,7 +180,46 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     p.add_argument("--sweep-max-d", type=int, default=None, help="largest d of the bound sweep (32)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--adaptive-only",
+        action="store_true",
+        help="run only the adaptive sweep (adaptive.json / adaptive.png)",
+    )
+    p.add_argument("--adaptive-d", default="4,8,16", help="comma-separated d of the adaptive sweep (4,8,16)")
     return p.parse_args(argv)
+
+
+def run_adaptive_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 4: the adaptive sweep (see adaptive_sweep.py); writes adaptive.json and adaptive.png."""
+    import adaptive_sweep
+
+    ds = [int(x) for x in args.adaptive_d.split(",") if x]
+    tasks = [(d, f * d, c, d * d * f * d) for d in ds for f in (2, 4) for c in adaptive_sweep.COSTS]
+    t0 = time.perf_counter()
+    rows = [
+        row for rows in _run_pool(tasks, adaptive_sweep.sweep_config, args.jobs, "adaptive") for row in rows
+    ]
+    summary = adaptive_sweep.print_sweep(rows)
+    payload = {
+        "benchmark": "adaptive sweep: bubble vs memory limit, ours against the reference",
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "bubble": "1 - busiest rank's compute / makespan, percent",
+        "memory_unit": "chunk units per rank; limit = memory_limit * 1F1B's 2 * min(d, m)",
+        "reference_sources": adaptive_sweep.__doc__,
+        "costs": adaptive_sweep.COSTS,
+        "rows": rows,
+        "summary": summary,
+        "runtime_seconds": time.perf_counter() - t0,
+        "jobs": args.jobs,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "adaptive.json").write_text(json.dumps(payload, indent=1))
+    if not args.no_plot:
+        adaptive_sweep.plot_sweep(rows, args.out / "adaptive.png")
+    print(
+        f"wrote {args.out / 'adaptive.json'}" + ("" if args.no_plot else f" and {args.out / 'adaptive.png'}")
+    )
+    return payload
 
 
 def _grid(quick: bool) -> list[tuple[int, int]]:
@@ -371,6 +413,9 @@ def plot(entries: list[Entry], grid: list[tuple[int, int]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.adaptive_only:
+        run_adaptive_sweep(args)
+        return 0
     import torch
 
     started = time.perf_counter()
@@ -442,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{r['schedule']} d={r['d']} m={r['m']} {r['gen_seconds']:.1f}s" for r in slow_sweep)
     )
     payload["sweep"] = {"rows": sweep_rows, "counts": counts, "max_d": max_d}
+    if not args.quick:
+        payload["adaptive_sweep"] = run_adaptive_sweep(args)["summary"]
     payload["runtime_seconds"] = {"table": table_seconds, "sweep": sweep_seconds, "total": total}
     _write(payload, args.out)
     print(f"wrote {args.out / 'orders.json'}" + ("" if args.no_plot else f" and {args.out / 'orders.png'}"))

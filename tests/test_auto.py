@@ -88,7 +88,9 @@ def test_synchronous_copies_free_memory_at_their_action() -> None:
     """On a CPU store an OFFLOAD frees its chunk as soon as it runs (no copy lane to wait for): the
     predicted peak of an offload candidate is lower than with overlapped copies of the same duration, and
     without offload both predictions are the same."""
-    picks = {"schedules": ["ScheduleVHalf"], "num_microbatches": 8}
+    # V-Min: with the adaptive search's V-Half order at these sizes no rank's peak falls on a chunk whose
+    # copy is still in flight, so both predictions agree there; V-Min's peaks do.
+    picks = {"schedules": ["ScheduleVMin"], "num_microbatches": 8}
     lanes = choose(_measurement(4, copy_s=0.004), offload=["full"], **picks)
     inline = choose(_measurement(4, copy_s=0.004, overlap=False), offload=["full"], **picks)
     assert all(a <= b for a, b in zip(inline.peak_bytes, lanes.peak_bytes, strict=True))

@@ -13,6 +13,7 @@ runtime and lowering expect.
 from __future__ import annotations
 
 from pp_offload.order.actions import Action, B, Costs, F, I, Order, W
+from pp_offload.order.replay import is_v_order, replay_ranks
 from pp_offload.sim import dependency, simulate
 
 _EPS = 1e-9
@@ -31,20 +32,31 @@ def compact(
     ``memory_cap`` (rank -> chunk units) defaults to each rank's peak in the squeezed ``order``.
     ``lookahead`` bounds how far down its list a rank looks for a filler (default: 6 x ranks).
     """
-    base = simulate(order, costs)
-    caps = dict(base.peak_memory) if memory_cap is None else dict(memory_cap)
-    best, best_time = order, base.makespan
+    measure = _replay_ranks if is_v_order(order) else _simulate_ranks
+    base_time, base_peaks = measure(order, costs)
+    caps = dict(base_peaks) if memory_cap is None else dict(memory_cap)
+    best, best_time = order, base_time
     for _ in range(rounds):
         improved = False
         for promote in (False, True):
             candidate = _fill_once(best, costs, caps, lookahead or 6 * len(order), promote)
-            result = simulate(candidate, costs)
-            fits = all(result.peak_memory[r] <= caps[r] + _EPS for r in candidate)
-            if fits and result.makespan < best_time - _EPS:
-                best, best_time, improved = candidate, result.makespan, True
+            makespan, peaks = measure(candidate, costs)
+            fits = all(peaks[r] <= caps[r] + _EPS for r in candidate)
+            if fits and makespan < best_time - _EPS:
+                best, best_time, improved = candidate, makespan, True
         if not improved:
             break
     return best
+
+
+def _replay_ranks(order: Order, costs: Costs) -> tuple[float, dict[int, float]]:
+    makespan, peaks = replay_ranks(order, costs)
+    return makespan, dict(enumerate(peaks))
+
+
+def _simulate_ranks(order: Order, costs: Costs) -> tuple[float, dict[int, float]]:
+    result = simulate(order, costs)
+    return result.makespan, result.peak_memory
 
 
 def _fill_once(
@@ -63,9 +75,14 @@ def _fill_once(
     live = {r: 0.0 for r in ranks}
     end: dict[tuple[int, str, int], tuple[float, int]] = {}
     result: Order = {r: [] for r in ranks}
+    deps = {
+        a: dependency(a.stage_index, a.computation_type, a.microbatch_index, num_stages)
+        for r in ranks
+        for a in queues[r]
+    }
 
     def ready_time(rank: int, action: Action) -> float | None:
-        dep = dependency(action.stage_index, action.computation_type, action.microbatch_index, num_stages)
+        dep = deps[action]
         if dep is None:
             return 0.0
         if dep not in end:

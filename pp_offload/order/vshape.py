@@ -1,20 +1,21 @@
 """V-shape orders under a memory cap: V-Min, V-Half, V-ZB and the adaptive scheduler.
 
-One mechanism serves all four: generate candidates from three families, judge them with the *real*
-costs in the simulator, keep the fastest within the memory cap.
+One mechanism serves all four, which are points on one curve of bubble against memory: generate
+candidates, judge them with the *real* costs, keep the fastest within the memory cap.
 
 - building blocks (`pp_offload.order.blocks`): the paper's V-Min (offsets 1/1) and V-Half (2/1)
-  patterns, plus every "first K ranks on down-offset a, the rest on b" pattern its adaptive scheduler
-  searches, repeated over the microbatches;
-- greedy orders (`pp_offload.order.greedy`) built under the cap, a few policy variants, shaped by the
-  real costs and by unit costs;
+  patterns, plus every "first K ranks on down-offset a, the rest on b" pattern (mixed offsets give
+  every integer peak between d and 2d), repeated over the microbatches;
+- greedy orders (`pp_offload.order.greedy`) built under a range of caps, a few policy variants;
 - 1F1B-rhythm orders (`pp_offload.order.rhythm`), full to shortest fill: robust to comm latency and
-  skewed F/I/W costs (this is the structure of torch's ZBV schedule).
+  skewed F/I/W costs (this is the structure of torch's ZBV schedule);
+- each of the above with its drain rewritten (`pp_offload.order.cooldown`): input gradients of the two
+  chunks interleaved on diagonals, weight passes held back to fill the drain.
 
-The best are compacted (`pp_offload.order.compact`: idle gaps filled without raising any rank's peak).
-So every order respects its cap by construction (its simulated peak is checked), the paper's canonical
-patterns are always compacted (their bubbles are a ceiling), and unbalanced costs or comm latency pick
-another structure when one is faster.
+The best are compacted (`pp_offload.order.compact`: idle gaps filled without raising any rank's peak
+above the cap it is compacted under). The search is grown cap by cap (`_Curve`) and none of its choices
+depends on the requested limit, so a larger limit never gives a slower order. Every order respects its
+cap (its replayed peak is checked). Results can be cached on disk (`pp_offload.order.cache`).
 
 Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 - V-Min:  ``2 * floor((d + 4) / 3)``, about 1/3 of 1F1B;
@@ -30,16 +31,24 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
+from pp_offload.order import cache as order_cache
 from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
 from pp_offload.order.compact import compact
+from pp_offload.order.cooldown import diagonal_cooldown
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
+from pp_offload.order.replay import replay
 from pp_offload.order.rhythm import rhythm_v_order
-from pp_offload.sim import OrderDeadlockError, simulate
+from pp_offload.sim import OrderDeadlockError
 
 _MAX_DOWN_OFFSET = 4
+# Forward turn gaps tried. 2 and 3 (and down offsets of 5) add blocks that rank well squeezed but lose
+# after compaction, crowding better candidates out of the shortlist: measured worse at d=8.
+_TURN_F = (1,)
 _COMPACTED_CANDIDATES = 5
-_FINALISTS = 2
+_FINALISTS = 1
+_BELOW = 2
+_SCREENING_ROUNDS = 1  # compaction rounds on the short horizon, where compaction only ranks
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -110,7 +119,14 @@ def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label:
     _check_sizes(num_ranks, num_microbatches)
     costs = Costs.coerce(costs)
     smallest = smallest_feasible_peak(num_ranks, num_microbatches)
-    order = _search(num_ranks, num_microbatches, costs, float(cap)) if cap >= smallest - 1e-9 else None
+    order = None
+    if cap >= smallest - 1e-9:
+        whole = int(math.floor(cap + 1e-9))  # peaks are whole chunk units
+        order = order_cache.load(num_ranks, num_microbatches, costs, whole)
+        if order is None:
+            order = _search(num_ranks, num_microbatches, costs, whole)
+            if order is not None:
+                order_cache.store(num_ranks, num_microbatches, costs, whole, order)
     if order is None:
         reference = one_f_one_b_peak(num_ranks, num_microbatches)
         limit = math.ceil(smallest / reference * 1e4) / 1e4  # rounded up: the printed limit must work
@@ -138,6 +154,15 @@ _UNIT_SHAPED_POLICIES = (
     GreedyPolicy(1, False, False, False, False),
 )
 
+# Below 1F1B's memory the block family (with its drain rewritten) wins almost everywhere; the greedy
+# family is kept with its three most useful policies (all of them below V-Min's cap, where it is the
+# only family that fits: it reaches any cap >= 2).
+_EVERY_CAP_POLICIES = (
+    GreedyPolicy(1, False, True, False, False),
+    GreedyPolicy(1, False, True, False, True),
+    GreedyPolicy(0, False, True, True, True),
+)
+
 
 @dataclass(frozen=True)
 class _Generator:
@@ -146,11 +171,42 @@ class _Generator:
     name: str
     canonical: bool
     build: Callable[[int], Order | None]
+    extra: bool = False  # a wide-offset block: shortlisted on its own quota (see `_Curve._grow`)
+    cap: int = 0  # built under this memory cap (greedy): joins the search when it reaches that cap
 
 
-def _generators(num_ranks: int, costs: Costs, cap: float) -> list[_Generator]:
-    gens = [
-        _Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in _candidates(num_ranks)
+def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
+    """The memory caps the greedy family is built at (it is the costliest family to build).
+
+    Every cap from V-Min's up for d <= 8; a stride of d/4 beyond, and below V-Min's cap (where only
+    this family fits, so it is the floor that keeps every limit >= 2 feasible). The curve between two
+    greedy caps is filled by the cap-free families.
+    """
+    d = num_ranks
+    low = min(max_cap, v_min_cap(d))
+    stride = max(1, d // 4)
+    caps = set(range(2, low, stride)) | set(range(low, max_cap + 1, 1 if d <= 8 else stride))
+    caps |= {max_cap, low, min(max_cap, v_half_cap(d))}
+    return sorted(caps)
+
+
+def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Generator]:
+    """Every candidate of the search; none depends on the requested limit (see `_curve`)."""
+    d = num_ranks
+    gens = [_Generator(c.name, c.name in ("V-Min", "V-Half"), c.block.repeat) for c in _candidates(d)]
+    if d > 8:
+        # Deeper pipelines need larger offsets to reach peaks near 2d (d=16: offsets 5 and 6 fill
+        # 24..31). They are many and rank well before compaction but rarely after, so they get their own
+        # shortlist quota instead of crowding the others out.
+        known = {_block_key(c.block) for c in _candidates(d)}
+        gens += [
+            _Generator(c.name, False, c.block.repeat, extra=True)
+            for c in _candidates(d, _MAX_DOWN_OFFSET + 2)
+            if _block_key(c.block) not in known
+        ]
+    # 1F1B-rhythm orders, full fill (1F1B's memory) down to a one-forward fill.
+    gens += [
+        _Generator(f"rhythm(trim={t})", False, partial(rhythm_v_order, d, trim=t)) for t in range(2 * d - 1)
     ]
     # Greedy decisions taken with skewed durations can build a worse structure than the same greedy
     # run with unit costs, so both cost models generate candidates; the real costs always judge them.
@@ -158,67 +214,165 @@ def _generators(num_ranks: int, costs: Costs, cap: float) -> list[_Generator]:
     shaped = [(costs, p) for p in _GREEDY_POLICIES]
     if unit != costs:
         shaped += [(unit, p) for p in _UNIT_SHAPED_POLICIES]
-    # 1F1B-rhythm orders, full fill (1F1B's memory) down to a one-forward fill.
-    gens += [
-        _Generator(f"rhythm(trim={t})", False, partial(rhythm_v_order, num_ranks, trim=t))
-        for t in range(2 * num_ranks - 1)
-    ]
-    gens += [
-        _Generator(
-            f"greedy{policy}@{shape_costs}",
-            False,
-            partial(greedy_v_order, num_ranks, costs=shape_costs, memory_cap=cap, policy=policy),
-        )
-        for shape_costs, policy in shaped
-    ]
+    max_cap = one_f_one_b_peak(d, num_microbatches)
+    for cap in _greedy_caps(d, max_cap):
+        policies = [(costs, p) for p in _EVERY_CAP_POLICIES]
+        if cap == max_cap or cap < v_min_cap(d):
+            policies = shaped
+        gens += [
+            _Generator(
+                f"greedy{policy}@{shape_costs}@cap{cap}",
+                False,
+                partial(greedy_v_order, d, costs=shape_costs, memory_cap=cap, policy=policy),
+                cap=cap,
+            )
+            for shape_costs, policy in policies
+        ]
     return gens
 
 
-@lru_cache(maxsize=64)
-def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
-    """Best order within ``cap``.
+def _with_cooldown(build: Callable[[int], Order | None], num_microbatches: int) -> Order | None:
+    order = build(num_microbatches)
+    return None if order is None else diagonal_cooldown(order)
 
-    Staged so that large d and m stay fast. Every candidate is squeezed on a short horizon (``3d``
-    microbatches hold a full steady phase); the canonical patterns and the best few are compacted on that
-    horizon (compaction reshapes warm-up and cool-down, which a longer run only pushes apart); the best
-    ``_FINALISTS`` are then built for all ``m`` microbatches, checked against the cap, and compacted.
+
+@dataclass
+class _Scored:
+    makespan: float
+    peak: int
+    name: str
+    gen: _Generator
+    order: Order
+    cap: int = 0  # the cap it was compacted under (0: not compacted)
+
+
+def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -> list[_Scored]:
+    """The candidate, and the candidate with its drain rewritten: the real costs decide which is better."""
+    order = gen.build(num_microbatches)
+    if order is None:
+        return []
+    cooled_gen = _Generator(
+        f"cooldown({gen.name})", gen.canonical, partial(_with_cooldown, gen.build), gen.extra, gen.cap
+    )
+    cooled = diagonal_cooldown(order)
+    found = [_measure(gen, order, costs)]
+    if cooled is not None:
+        found.append(_measure(cooled_gen, cooled, costs))
+    return [s for s in found if s is not None]
+
+
+def _score(gen: _Generator, num_microbatches: int, costs: Costs) -> _Scored | None:
+    order = gen.build(num_microbatches)
+    return None if order is None else _measure(gen, order, costs)
+
+
+def _measure(gen: _Generator, order: Order, costs: Costs) -> _Scored | None:
+    try:
+        makespan, peak = replay(order, costs)
+    except OrderDeadlockError:
+        return None  # a family member that cannot run at this size
+    return _Scored(makespan, peak, gen.name, gen, order)
+
+
+def _compacted(item: _Scored, costs: Costs, cap: int, rounds: int = 3) -> _Scored:
+    """``item`` with its gaps filled, its peak kept within ``cap``."""
+    order = compact(item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds)
+    makespan, peak = replay(order, costs)
+    return _Scored(makespan, peak, item.name, item.gen, order, cap)
+
+
+class _Curve:
+    """The search for one (d, m, costs), grown one cap at a time and kept for later requests.
+
+    Monotone in the limit by construction: what is done for cap ``c`` (which candidates are compacted,
+    under which cap, which become finalists) depends only on the candidates and on caps ``<= c``, never
+    on the requested limit; the answer for a limit is the fastest item of all caps up to it. A larger
+    limit only adds items. Lazy, so V-Min's small cap does not pay for V-ZB's.
+
+    Per cap ``c``: the ``_COMPACTED_CANDIDATES`` fastest candidates whose peak is ``c`` and the
+    ``_BELOW`` fastest with a smaller peak (compaction may spend the spare memory to fill gaps) are
+    compacted under ``c``. Staged so that large d and m stay fast: candidates are replayed and compacted
+    on a short horizon (``3d`` microbatches hold a full steady phase); the fastest compacted ones of cap
+    ``c`` are then built for all ``m`` microbatches and compacted again under ``c``.
     """
-    caps = dict.fromkeys(range(num_ranks), cap)
-    horizon = min(num_microbatches, 3 * num_ranks)
-    ranked = []
-    for gen in _generators(num_ranks, costs, cap):
-        order = gen.build(horizon)
-        if order is None:
-            continue
-        try:
-            result = simulate(order, costs)
-        except OrderDeadlockError:
-            continue  # a family member that cannot run at this size
-        if result.peak <= cap + 1e-9:
-            ranked.append((not gen.canonical, result.makespan, gen.name, gen, order))
-    ranked.sort(key=lambda item: item[:3])
-    # The canonical patterns are always compacted: their gaps are where compaction shines.
-    shortlist = [r for r in ranked if not r[0]] + [r for r in ranked if r[0]][:_COMPACTED_CANDIDATES]
-    scored = []
-    for _, _, name, gen, order in shortlist:
-        compacted = compact(order, costs, memory_cap=caps)
-        scored.append((simulate(compacted, costs).makespan, name, gen, compacted))
-    scored.sort(key=lambda item: item[:2])
-    if horizon == num_microbatches:
-        return scored[0][3] if scored else None
-    best = None
-    for _, _, gen, _ in scored[:_FINALISTS]:
-        order = gen.build(num_microbatches)
-        try:
-            if order is None or simulate(order, costs).peak > cap + 1e-9:
+
+    def __init__(self, num_ranks: int, num_microbatches: int, costs: Costs) -> None:
+        self.d, self.m, self.costs = num_ranks, num_microbatches, costs
+        self.horizon = min(num_microbatches, 3 * num_ranks)
+        gens = _generators(num_ranks, num_microbatches, costs)
+        # Greedy orders are the costliest to build: each joins when the search reaches its cap (and
+        # only then, whatever its peak), so a small limit never pays for the large caps' greedy runs.
+        self.pending: dict[int, list[_Generator]] = {}
+        for g in gens:
+            self.pending.setdefault(g.cap, []).append(g)
+        self.ranked: list[_Scored] = []
+        self._admit(0)
+        self.done_cap = 1
+        self.compacted: list[_Scored] = []  # on the horizon, each tagged with the cap it was compacted under
+        self.final: list[_Scored] = []  # for all m microbatches
+        self.seen: set[tuple[str, int]] = set()
+
+    def best(self, cap: int) -> _Scored | None:
+        while self.done_cap < cap:
+            self.done_cap += 1
+            self._grow(self.done_cap)
+        fitting = [i for i in self.final if i.peak <= cap]
+        return min(fitting, key=lambda i: (i.makespan, i.peak, i.name), default=None)
+
+    def _admit(self, cap: int) -> None:
+        fresh = [
+            s for g in self.pending.pop(cap, []) for s in _score_with_cooldown(g, self.horizon, self.costs)
+        ]
+        self.ranked = sorted(self.ranked + fresh, key=lambda i: (i.makespan, i.name))
+
+    def _grow(self, cap: int) -> None:
+        self._admit(cap)
+        # Below V-Min's memory only the greedy family fits and the bubble is large whatever is done:
+        # two candidates per cap keep every limit >= 2 feasible at a fraction of the cost.
+        low = cap < v_min_cap(self.d)
+        # Each compaction costs ~d * m: deeper pipelines compact fewer candidates per cap.
+        keep_at, keep_below = (_COMPACTED_CANDIDATES, _BELOW) if self.d <= 8 else (2, 1)
+        at = _quota([i for i in self.ranked if i.peak == cap], 2 if low else keep_at)
+        below = [] if low else _quota([i for i in self.ranked if i.peak < cap], keep_below)
+        canonical = [i for i in self.ranked if i.gen.canonical and i.peak == cap]
+        fresh = []
+        for item in at + below + canonical:
+            if (item.name, cap) not in self.seen:
+                self.seen.add((item.name, cap))
+                rounds = 3 if self.horizon == self.m else _SCREENING_ROUNDS
+                fresh.append(_compacted(item, self.costs, cap, rounds))
+        self.compacted += fresh
+        if self.horizon == self.m:
+            self.final += fresh
+            return
+        # finalists of this cap: the fastest compacted under it, and the fastest of the caps below
+        ranked = sorted(self.compacted, key=lambda i: (i.makespan, i.name))
+        picks = (
+            _quota([i for i in ranked if i.cap == cap], _FINALISTS) + [i for i in ranked if i.cap < cap][:1]
+        )
+        for pick in picks:
+            if (pick.name, pick.cap, "full") in self.seen:
                 continue
-        except OrderDeadlockError:
-            continue
-        compacted = compact(order, costs, memory_cap=caps)
-        makespan = simulate(compacted, costs).makespan
-        if best is None or makespan < best[0] - 1e-9:
-            best = (makespan, compacted)
-    return None if best is None else best[1]
+            self.seen.add((pick.name, pick.cap, "full"))
+            full = _score(pick.gen, self.m, self.costs)
+            if full is not None and full.peak <= pick.cap:
+                self.final.append(_compacted(full, self.costs, pick.cap))
+
+
+def _quota(ranked: list[_Scored], keep: int) -> list[_Scored]:
+    """The ``keep`` fastest ordinary items and the fastest wide-offset block (if any), in rank order."""
+    return [i for i in ranked if not i.gen.extra][:keep] + [i for i in ranked if i.gen.extra][:1]
+
+
+@lru_cache(maxsize=16)
+def _curve(num_ranks: int, num_microbatches: int, costs: Costs) -> _Curve:
+    return _Curve(num_ranks, num_microbatches, costs)
+
+
+def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
+    """Fastest order found within ``cap`` chunk units per rank, or None."""
+    best = _curve(num_ranks, num_microbatches, costs).best(int(math.floor(cap + 1e-9)))
+    return None if best is None else best.order
 
 
 def smallest_feasible_peak(num_ranks: int, num_microbatches: int) -> float:
@@ -234,42 +388,49 @@ def smallest_feasible_peak(num_ranks: int, num_microbatches: int) -> float:
 
 
 @lru_cache(maxsize=32)
-def _candidates(num_ranks: int) -> tuple[_Candidate, ...]:
-    """The offset space: canonical V-Min/V-Half plus two-segment down-offset patterns."""
+def _candidates(num_ranks: int, max_offset: int = _MAX_DOWN_OFFSET) -> tuple[_Candidate, ...]:
+    """The offset space: canonical V-Min/V-Half plus two-segment down-offset patterns, offsets up to
+    ``max_offset`` (the planner's fast path uses the default; the search goes further for deep pipelines)."""
     d = num_ranks
     found: dict[tuple, _Candidate] = {}
 
     def add(name: str, block: VBlock) -> None:
-        key = tuple(tuple(sorted(s.items())) for s in block.slots)
-        found.setdefault(key, _Candidate(name, block))
+        found.setdefault(_block_key(block), _Candidate(name, block))
 
     x_min = 2 if d % 3 == 0 else 0
     add("V-Min", v_block(d, down=[1] * (d - 1), backward_delay=1 + x_min, turn_f=1, turn_b=1))
     x_half = 3 if d % 2 == 0 else 0
     add("V-Half", v_block(d, down=[2] * (d - 1), backward_delay=1 + x_half, turn_f=1, turn_b=2))
     step = max(1, (d - 1) // 8)
-    for a in range(1, _MAX_DOWN_OFFSET + 1):
-        for b in range(1, _MAX_DOWN_OFFSET + 1):
+    for a in range(1, max_offset + 1):
+        for b in range(1, max_offset + 1):
             splits = [d - 1] if a == b else range(1, d - 1, step)
             for k in splits:
                 down = [a] * k + [b] * (d - 1 - k)
-                for block in _collision_free_blocks(d, down):
-                    add(f"down={a}x{k},{b}", block)
+                for turns, block in _collision_free_blocks(d, down):
+                    add(f"down={a}x{k},{b} turns={turns}", block)
     return tuple(found.values())
 
 
-def _collision_free_blocks(d: int, down: list[int]) -> Iterable[VBlock]:
+def _block_key(block: VBlock) -> tuple:
+    return tuple(tuple(sorted(s.items())) for s in block.slots)
+
+
+def _collision_free_blocks(d: int, down: list[int]) -> Iterable[tuple[str, VBlock]]:
     """Blocks for these down offsets whose F/f/I/i take distinct slots mod the period on every rank.
 
     Distinct residues mean a rank's stable phase has no two passes competing for one slot. For each
-    turn gap, the smallest backward delay that achieves it (longer delays only lengthen lifespans).
+    pair of turn gaps (forward: `_TURN_F`, backward: 1 to 3 slots), the smallest backward delay that
+    achieves it (longer delays only lengthen lifespans).
+    Yields ``("turn_f/turn_b/delay", block)``.
     """
-    for turn_b in (1, 2, 3):
-        for delay in range(1, PERIOD + 1):
-            block = v_block(d, down=down, backward_delay=delay, turn_f=1, turn_b=turn_b)
-            if all(_distinct_residues(slots) for slots in block.slots):
-                yield block
-                break
+    for turn_f in _TURN_F:
+        for turn_b in (1, 2, 3):
+            for delay in range(1, PERIOD + 1):
+                block = v_block(d, down=down, backward_delay=delay, turn_f=turn_f, turn_b=turn_b)
+                if all(_distinct_residues(slots) for slots in block.slots):
+                    yield f"{turn_f}/{turn_b}/{delay}", block
+                    break
 
 
 def _distinct_residues(slots: dict) -> bool:

@@ -1,0 +1,183 @@
+"""Adaptive sweep of bench_orders.py: bubble of ``adaptive_v_order`` at every integer memory limit from d to
+2d chunk units, for d in {4, 8, 16}, m in {2d, 4d}, F:I:W = 1:1:1 and 3:4:2, against the reference values.
+
+Reference values and where each comes from (nothing else is compared; an empty cell means no published
+or quoted figure exists for that point):
+- "issue 14": the reference adaptive scheduler (sail-sg/zero-bubble-pipeline-parallelism,
+  v_auto_schedule.py) replayed by the issue's author with this yardstick. Its unit-cost curve at d=8,
+  m=32 drops to 2.5 / 1.5 / 0.0 % at limits 14 / 15 / 16, below the floor any order can reach here
+  (``floor`` column), so those three points are listed but flagged and not counted.
+- "paper": the controllable-memory paper's V-Min / V-Half / V-ZB at unit costs (d=4, m=8 and d=8,
+  m=32; reference/papers.md), which are points of the same curve at limits 2*floor((d+4)/3),
+  2*floor((d+2)/2) and 2d.
+
+``floor``: (d-1)F / ((d-1)F + 2m(F+I+W)): the last rank cannot start before d-1 forwards have reached
+it, so no order's bubble is lower (comm = 0).
+
+    python bench/bench_orders.py --adaptive-only            # d in {4, 8, 16}
+    python bench/bench_orders.py --adaptive-only --adaptive-d 4,8
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+COSTS = {"1:1:1": {"F": 1.0, "I": 1.0, "W": 1.0}, "3:4:2": {"F": 3.0, "I": 4.0, "W": 2.0}}
+SWEEP_D = (4, 8, 16)
+TOLERANCE = 0.2  # points: "at most the reference + 0.2"
+
+_ISSUE_UNIT_D8 = dict(zip(range(8, 17), (10.7, 9.4, 8.1, 6.8, 5.4, 4.0, 2.5, 1.5, 0.0), strict=True))
+# (d, m, costs, limit) -> (bubble %, source)
+REFERENCE: dict[tuple[int, int, str, int], tuple[float, str]] = {
+    **{(8, 32, "1:1:1", lim): (v, "issue 14") for lim, v in _ISSUE_UNIT_D8.items()},
+    (8, 32, "3:4:2", 14): (7.2, "issue 14"),
+    (8, 32, "3:4:2", 15): (6.0, "issue 14"),
+    (8, 32, "3:4:2", 16): (4.6, "issue 14"),
+    (4, 16, "1:1:1", 5): (7.7, "issue 14"),
+    (4, 8, "1:1:1", 4): (18.6, "paper V-Min"),
+    (4, 8, "1:1:1", 6): (9.4, "paper V-Half"),
+    (4, 8, "1:1:1", 8): (5.9, "paper V-ZB"),
+}
+
+
+def floor_bubble(d: int, m: int, costs: dict[str, float]) -> float:
+    """Lowest bubble (%) any V order can have with these costs and no comm latency."""
+    fill = (d - 1) * costs["F"]
+    return 100 * fill / (fill + 2 * m * (costs["F"] + costs["I"] + costs["W"]))
+
+
+def sweep_config(d: int, m: int, costs_name: str) -> list[dict[str, Any]]:
+    """Every limit d..2d of one (d, m, costs), in one process: the search's curve is built once, on the
+    first (largest) limit, and its CPU time is the construction time a user pays for V-ZB."""
+    from pp_offload.order import adaptive_v_order
+    from pp_offload.order.vshape import one_f_one_b_peak
+    from pp_offload.sim import simulate
+
+    costs = COSTS[costs_name]
+    reference = one_f_one_b_peak(d, m)
+    rows = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    adaptive_v_order(d, m, 2 * d / reference, costs)
+    build = {"cpu_seconds": time.process_time() - cpu0, "wall_seconds": time.perf_counter() - wall0}
+    floor = floor_bubble(d, m, costs)
+    for limit in range(d, 2 * d + 1):
+        result = simulate(adaptive_v_order(d, m, limit / reference, costs), costs)
+        ref, source = REFERENCE.get((d, m, costs_name, limit), (None, None))
+        rows.append(
+            {
+                "d": d,
+                "m": m,
+                "costs": costs_name,
+                "limit": limit,
+                "peak": result.peak,
+                "bubble": 100 * result.bubble,
+                "reference": ref,
+                "source": source,
+                "floor": floor,
+                "reference_below_floor": ref is not None and ref < floor - 0.05,
+                **build,
+            }
+        )
+    return rows
+
+
+def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts against the reference (points rounded to 0.1 like the quoted figures) and monotonicity."""
+    better = worse = within = beyond = 0
+    for row in rows:
+        ref = row["reference"]
+        if ref is None or row["reference_below_floor"]:
+            continue
+        ours = round(row["bubble"], 1)
+        better += ours < ref
+        worse += ours > ref
+        within += ours <= ref + TOLERANCE
+        beyond += ours > ref + TOLERANCE
+    monotone = {}
+    for key in sorted({(r["d"], r["m"], r["costs"]) for r in rows}):
+        series = [r["bubble"] for r in rows if (r["d"], r["m"], r["costs"]) == key]
+        steps = zip(series, series[1:], strict=False)
+        monotone[f"d={key[0]} m={key[1]} {key[2]}"] = all(b <= a + 1e-9 for a, b in steps)
+    compared = sum(1 for r in rows if r["reference"] is not None and not r["reference_below_floor"])
+    return {
+        "compared": compared,
+        "strictly_better": better,
+        "strictly_worse": worse,
+        "within_tolerance": within,
+        "beyond_tolerance": beyond,
+        "monotone": monotone,
+        "all_monotone": all(monotone.values()),
+    }
+
+
+def print_sweep(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    configs = sorted({(r["d"], r["m"], r["costs"]) for r in rows})
+    print("\nAdaptive sweep: bubble (%) at every memory limit (chunk units per rank); ref = reference value")
+    for d, m, costs_name in configs:
+        series = [r for r in rows if (r["d"], r["m"], r["costs"]) == (d, m, costs_name)]
+        build = series[0]
+        print(
+            f"\nd={d} m={m} F:I:W={costs_name}  floor {series[0]['floor']:.1f}%  curve built in "
+            f"{build['cpu_seconds']:.1f} s CPU ({build['wall_seconds']:.1f} s wall)"
+        )
+        print(f"  {'limit':>5} {'peak':>4} {'ours':>6} {'ref':>6}  source")
+        for r in series:
+            ref = "" if r["reference"] is None else f"{r['reference']:.1f}"
+            note = r["source"] or ""
+            if r["reference_below_floor"]:
+                note += " (below the floor: not counted)"
+            elif r["reference"] is not None:
+                delta = round(r["bubble"], 1) - r["reference"]
+                note += f"  {delta:+.1f}" + ("  OVER +0.2" if delta > TOLERANCE + 1e-9 else "")
+            print(f"  {r['limit']:>5} {r['peak']:>4g} {r['bubble']:>6.1f} {ref:>6}  {note}")
+    summary = verdicts(rows)
+    print(
+        f"\nvs reference: {summary['compared']} points, {summary['strictly_better']} strictly better, "
+        f"{summary['strictly_worse']} strictly worse, {summary['beyond_tolerance']} beyond "
+        f"+{TOLERANCE} points; "
+        f"monotone in the limit: {'all' if summary['all_monotone'] else 'NOT all'} "
+        f"({sum(summary['monotone'].values())}/{len(summary['monotone'])} configurations)"
+    )
+    return summary
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["d"], r["m"]) for r in rows})
+    fig, axes = plt.subplots(
+        len(COSTS), len(configs), figsize=(3.6 * len(configs), 3.4 * len(COSTS)), squeeze=False
+    )
+    for row_i, costs_name in enumerate(COSTS):
+        for col, (d, m) in enumerate(configs):
+            ax = axes[row_i][col]
+            series = [r for r in rows if (r["d"], r["m"], r["costs"]) == (d, m, costs_name)]
+            if not series:
+                ax.axis("off")
+                continue
+            ax.plot([r["limit"] for r in series], [r["bubble"] for r in series], "o-", ms=3, label="ours")
+            refs = [r for r in series if r["reference"] is not None]
+            if refs:
+                ax.plot(
+                    [r["limit"] for r in refs],
+                    [r["reference"] for r in refs],
+                    "x",
+                    color="C3",
+                    ms=7,
+                    label="reference",
+                )
+            ax.axhline(series[0]["floor"], color="grey", ls=":", lw=1, label="floor")
+            ax.set_title(f"d={d} m={m} {costs_name}", fontsize=9)
+            ax.set_xlabel("memory limit (chunk units)", fontsize=8)
+            ax.set_ylabel("bubble (%)", fontsize=8)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,109 @@
+"""A lean replay of compute-only V orders: makespan and peak, nothing else.
+
+Why a second replay beside `pp_offload.sim.simulate`: the adaptive search scores thousands of candidate
+orders, and the full simulator builds a timeline, memory curves and offload state for each. This one
+keeps only what the search ranks by (the same model: a pass starts when its rank is free and its
+dependency has ended, plus ``costs.comm`` across ranks; a chunk is held from its F to its W), and
+tests check it agrees with `simulate` exactly. Every order the search returns is still measured by
+`simulate`.
+"""
+
+from __future__ import annotations
+
+from pp_offload.order.actions import Costs, F, I, Order, W
+from pp_offload.sim import OrderDeadlockError
+
+
+def replay(order: Order, costs: Costs) -> tuple[float, int]:
+    """``(makespan, peak)`` of a V order (``2d`` stages on ``d`` ranks, F/I/W only); peak in chunk units.
+
+    Raises `OrderDeadlockError` when the order cannot complete.
+    """
+    makespan, peaks = replay_ranks(order, costs)
+    return makespan, max(peaks)
+
+
+def is_v_order(order: Order) -> bool:
+    """Whether `replay` models ``order``: ranks 0..d-1 holding the 2d V stages, only F/I/W passes."""
+    d = len(order)
+    if sorted(order) != list(range(d)):
+        return False
+    for r, actions in order.items():
+        pair = (r, 2 * d - 1 - r)
+        for a in actions:
+            if a.computation_type not in (F, I, W) or a.stage_index not in pair:
+                return False
+    return True
+
+
+def replay_ranks(
+    order: Order, costs: Costs, starts: dict[tuple[int, str, int], float] | None = None
+) -> tuple[float, list[int]]:
+    """``(makespan, per-rank peak)`` of a V order; see `replay`. ``starts``, when given, receives every
+    pass's start time, keyed ``(stage, kind, microbatch)``."""
+    d = len(order)
+    last = 2 * d - 1
+    if costs.stages is None:
+        cost = {F: costs.F, I: costs.I, W: costs.W}
+        durations = [[cost[a.computation_type] for a in order[r]] for r in range(d)]
+    else:
+        durations = [[costs.of_stage(a.stage_index, a.computation_type) for a in order[r]] for r in range(d)]
+    comm = costs.comm
+    end: dict[tuple[int, str, int], float] = {}
+    clock = [0.0] * d
+    pos = [0] * d
+    level = [0] * d
+    peaks = [0] * d
+    seqs = [order[r] for r in range(d)]
+    remaining = sum(len(s) for s in seqs)
+    while remaining:
+        progressed = False
+        for r in range(d):
+            seq, dur = seqs[r], durations[r]
+            p, t = pos[r], clock[r]
+            while p < len(seq):
+                stage, kind, mb = seq[p]
+                if kind == F:
+                    if stage == 0:
+                        ready = 0.0
+                    else:
+                        done = end.get((stage - 1, F, mb))
+                        if done is None:
+                            break
+                        ready = done if stage == d else done + comm
+                elif kind == I:
+                    if stage == last:
+                        done = end.get((stage, F, mb))
+                        if done is None:
+                            break
+                        ready = done
+                    else:
+                        done = end.get((stage + 1, I, mb))
+                        if done is None:
+                            break
+                        ready = done if stage == d - 1 else done + comm
+                else:
+                    done = end.get((stage, I, mb))
+                    if done is None:
+                        break
+                    ready = done
+                if starts is not None:
+                    starts[(stage, kind, mb)] = t if t > ready else ready
+                t = (t if t > ready else ready) + dur[p]
+                end[(stage, kind, mb)] = t
+                if kind == F:
+                    level[r] += 1
+                    if level[r] > peaks[r]:
+                        peaks[r] = level[r]
+                elif kind == W:
+                    level[r] -= 1
+                p += 1
+            if p != pos[r]:
+                remaining -= p - pos[r]
+                pos[r], clock[r] = p, t
+                progressed = True
+        if not progressed:
+            raise OrderDeadlockError(
+                "order cannot complete: every rank waits on a pass that never runs before it"
+            )
+    return max(clock), peaks
