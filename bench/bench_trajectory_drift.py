@@ -28,31 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from _tolerance import trajectory_tolerance  # noqa: E402
+from test_recipe import GPT2, LLAMA  # noqa: E402
 
 from pp_offload.recipe import RecipeConfig  # noqa: E402
 from pp_offload.recipe.train import run  # noqa: E402
 
-MODELS = {
-    "llama (tied)": {
-        "model_type": "llama",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "tie_word_embeddings": True,
-    },
-    "gpt2": {
-        "model_type": "gpt2",
-        "n_embd": 32,
-        "n_layer": 4,
-        "n_head": 4,
-        "n_positions": 64,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-    },
-}
+MODELS = {"llama (tied)": LLAMA, "gpt2": GPT2}  # the recipe tests' own models
 
 
 def _config(out: Path, model: dict, steps: int) -> RecipeConfig:
