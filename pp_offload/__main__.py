@@ -16,7 +16,8 @@ from pp_offload import __version__
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pp_offload import demo
+    from pp_offload import demo, families_cli
+    from pp_offload.plan import cli as plan_cli
 
     parser = argparse.ArgumentParser(
         prog="pp-offload",
@@ -24,37 +25,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pp-offload {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo_parser = commands.add_parser(
-        "demo",
-        help="train a small model with six pipeline schedules on CPU and compare them (~1 minute)",
-        description=demo.DESCRIPTION,
-        epilog=demo.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run_from_args)
-    from pp_offload.plan import cli as plan_cli
-
-    plan_parser = commands.add_parser(
-        "plan",
-        help="choose a pipeline schedule and offload policy for a model on a machine (simulated)",
-        description=plan_cli.DESCRIPTION,
-        epilog=plan_cli.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    plan_cli.add_arguments(plan_parser)
-    plan_parser.set_defaults(run=plan_cli.run_from_args)
-    from pp_offload import families_cli
-
-    families_parser = commands.add_parser(
-        "families",
-        help="which Hugging Face causal LMs split exactly (a live sweep of the installed transformers)",
-        description=families_cli.DESCRIPTION,
-        epilog=families_cli.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    families_cli.add_arguments(families_parser)
-    families_parser.set_defaults(run=families_cli.run_from_args)
+    # each command's module has the same face: DESCRIPTION, EPILOG, add_arguments, run_from_args
+    for name, module, summary in (
+        ("demo", demo, "train a small model with six pipeline schedules on CPU and compare them (~1 minute)"),
+        (
+            "plan",
+            plan_cli,
+            "choose a pipeline schedule and offload policy for a model on a machine (simulated)",
+        ),
+        (
+            "families",
+            families_cli,
+            "which Hugging Face causal LMs split exactly (a live sweep of the installed transformers)",
+        ),
+    ):
+        command = commands.add_parser(
+            name,
+            help=summary,
+            description=module.DESCRIPTION,
+            epilog=module.EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(command)
+        command.set_defaults(run=module.run_from_args)
     return parser
 
 

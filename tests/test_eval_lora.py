@@ -8,18 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_on_ranks
+from test_recipe import LLAMA
 
 from pp_offload.recipe import RecipeConfig
 
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
-}
 REL, ABS = 1e-5, 1e-6  # fp32, one or two steps: only summation order differs
 
 
