@@ -55,6 +55,16 @@ def test_falcon_with_alibi_is_refused_with_the_reason() -> None:
         split_model(model, num_stages=2, stage_indices=[0])
 
 
+def test_families_that_do_not_separate_packed_documents_get_a_note() -> None:
+    """The recipe packs documents and separates them by position ids; Falcon's masks ignore them."""
+    from pp_offload.recipe.parts import packing_note
+
+    assert "FalconForCausalLM builds its attention masks without position ids" in packing_note(
+        tiny_model("falcon", new_decoder_architecture=True, num_kv_heads=2)
+    )
+    assert packing_note(tiny_model("llama")) is None
+
+
 def test_the_proof_refuses_a_split_that_misses_an_operation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(families.FAMILY_OPS, "granite", ((), (), ()))  # forget Granite's scalings
     model = tiny_model("granite", embedding_multiplier=3.0, logits_scaling=5.0)

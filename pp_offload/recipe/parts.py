@@ -197,6 +197,31 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
     return _with_lora(config, model) if config.lora is not None else model
 
 
+def packing_note(model: nn.Module) -> str | None:
+    """A line to print when ``model``'s family cannot keep packed documents apart, else None.
+
+    The recipe packs several documents into each ``data.seq_len`` block and separates them through the
+    position ids (they restart at 0 for each document). GPT-OSS, AFMoE and Falcon build their attention
+    masks without the position ids in transformers' own forward, so their documents attend to the earlier
+    documents of the same block; the split model does exactly what the unsplit one does (that is what
+    ``split_model`` proves), so this is a property of the family, which the user should know about.
+    """
+    from pp_offload.models.families import UnsupportedModelError, family_of
+    from pp_offload.models.lora import unwrap_peft
+
+    try:
+        family = family_of(unwrap_peft(model))
+    except UnsupportedModelError:
+        return None
+    if family.mask_positions:
+        return None
+    return (
+        f"note: {type(model).__name__} builds its attention masks without position ids, so documents packed "
+        "into one data.seq_len block attend to the earlier documents of that block (transformers' own "
+        "forward does the same); set data.seq_len near your documents' length to keep them mostly apart"
+    )
+
+
 def _with_lora(config: RecipeConfig, model: nn.Module) -> nn.Module:
     """``model`` wrapped by peft with the ``lora`` section's adapter, initialised from ``train.seed`` and
     each adapter's name: the same on every rank, whatever it holds, and on resume."""

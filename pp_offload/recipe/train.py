@@ -62,6 +62,7 @@ from pp_offload.recipe.parts import (
     load_model,
     load_tokenizer,
     num_layers_of,
+    packing_note,
     preflight,
     topology,
 )
@@ -320,6 +321,8 @@ def _run(
     ckpt_root = out / "checkpoints"
     resume_from = latest_step(ckpt_root) if config.output.resume else None
     model = load_model(config, tokenizer, partial=topo.distributed)
+    if topo.rank == 0 and (note := packing_note(model)):
+        print(note, flush=True)
     pipeline: Pipeline | None = None
     reference: _Reference | None = None
     decision = None
