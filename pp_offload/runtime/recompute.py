@@ -1,0 +1,186 @@
+"""Selective recompute: keep the outputs of matmuls and attention kernels, recompute everything else.
+
+A checkpointed layer (``torch.utils.checkpoint``, non-reentrant) saves only its inputs and recomputes its
+whole forward in backward. Selective recompute keeps what is expensive to recompute and cheap to keep (the
+outputs of the ops in `SAVED_OPS`: projections, MLP matmuls, the attention kernel) and recomputes what is
+cheap to recompute and costly to keep (norms and their fp32 copies, rotary embeddings, activation
+functions, elementwise products, dropout masks). For an HF Llama layer that cuts the bytes kept per layer
+by about two thirds (bench/bench_recompute.py).
+
+`selective_checkpoint_context` is a ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: a forward
+dispatch mode that caches the outputs of the saved ops, and a recompute mode that hands them back instead
+of running those ops again. It is written for pipelines, where torch's own
+``create_selective_checkpoint_contexts`` falls short twice:
+
+- Split backward (zero-bubble schedules run I, then W, as two autograd calls) recomputes a layer once per
+  pass. torch marks each cached output consumed after its first use, so the W pass fails ("Trying to
+  backward an extra time"). Here the cache keeps its entries for every recomputation; they are freed with
+  the checkpoint's autograd graph (after W, or after a full backward B).
+- Offload: torch's cache holds the outputs outside autograd's saved tensors, where the activation store
+  cannot see them, so they would stay on the device while the store moves the rest. Here each cached
+  output goes to the chunk being captured (`pp_offload.runtime.store.save_in_capture`): it moves to host
+  memory at OFFLOAD and comes back at RELOAD with the chunk, counted in the store's stats. Outside a
+  capture the cache holds the tensors itself.
+
+Recomputation is matched to the forward by the order of the saved ops' calls (the n-th ``mm`` of the
+recompute takes the n-th ``mm`` output of the forward); other ops are not counted, so the extra
+``detach`` calls that checkpointing inserts change nothing. A cached output changed in place after the
+forward is an error, never a silently wrong gradient (checked at each use, and by the store). Outputs
+are returned to autograd as fresh detached tensors on each recomputation, so the I and W recomputations
+build independent graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from pp_offload.runtime import compat
+from pp_offload.runtime.store import SavedInCapture, save_in_capture
+
+__all__ = ["SAVED_OPS", "saved_op_packets", "selective_checkpoint_context"]
+
+SAVED_OPS: tuple[str, ...] = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "linear",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+"""aten ops whose outputs selective recompute keeps (any overload). Matmuls cost O(n^3) to recompute for
+O(n^2) bytes; the attention kernels more. Ops a torch build lacks are skipped. Composite ops (``linear``,
+``matmul``) reach a dispatch mode already decomposed into ``mm``/``addmm``/``bmm``; eager attention
+(``attn_implementation="eager"``) computes its scores with ``matmul``, so they are kept too (seq x seq
+per head: prefer ``sdpa``, whose kernel keeps only its output and log-sum-exp)."""
+
+
+@functools.cache
+def saved_op_packets(names: tuple[str, ...] = SAVED_OPS) -> frozenset[Any]:
+    """The ``torch.ops.aten`` op packets of ``names`` this torch has."""
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+class _Plain:
+    """A cached output outside any capture: the tensor, and its version to check at each use."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.version = t._version
+
+    def get(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "a tensor cached by selective recompute was modified in place after its forward (version "
+                f"{self.version}, now {self.tensor._version}); use the out-of-place op in the checkpointed "
+                "layer"
+            )
+        return self.tensor
+
+
+class _Cache:
+    """The saved ops' outputs of one checkpointed call, in call order per op."""
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, list[Any]] = defaultdict(list)
+        self.replayed: dict[Any, int] = defaultdict(int)
+
+    def put(self, func: Any, out: Any) -> None:
+        def hold(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            t = x.detach()
+            saved = save_in_capture(t)
+            return saved if saved is not None else _Plain(t)
+
+        with compat.views_share_version():
+            self.entries[func].append(tree_map(hold, out))
+
+    def take(self, func: Any) -> Any:
+        n = self.replayed[func]
+        outputs = self.entries.get(func, [])
+        if n >= len(outputs):
+            raise RuntimeError(
+                f"selective recompute: the recomputation called {func} {n + 1} times, its forward "
+                f"{len(outputs)}; the checkpointed layer must run the same ops in backward as in forward "
+                "(no data-dependent control flow or changed global state)"
+            )
+        self.replayed[func] = n + 1
+
+        def give(x: Any) -> Any:
+            if isinstance(x, (_Plain, SavedInCapture)):
+                return x.get().detach()
+            return x
+
+        with compat.views_share_version():
+            return tree_map(give, outputs[n])
+
+
+class _CacheOutputs(compat.TorchDispatchMode):
+    """Forward: run every op, cache the saved ops' outputs."""
+
+    def __init__(self, cache: _Cache, saved: frozenset[Any]) -> None:
+        super().__init__()
+        self._cache = cache
+        self._saved = saved
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "overloadpacket", None) in self._saved:
+            self._cache.put(func, out)
+        return out
+
+
+class _ReplayOutputs(compat.TorchDispatchMode):
+    """Recomputation: the saved ops return their cached outputs, every other op runs. Entered once per
+    recomputation (I and W each recompute), so it rewinds the cache on entry."""
+
+    def __init__(self, cache: _Cache, saved: frozenset[Any]) -> None:
+        super().__init__()
+        self._cache = cache
+        self._saved = saved
+
+    def __enter__(self) -> Any:
+        self._cache.replayed.clear()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "overloadpacket", None) in self._saved:
+            return self._cache.take(func)
+        return func(*args, **(kwargs or {}))
+
+
+def selective_checkpoint_context(
+    saved_ops: Iterable[str] = SAVED_OPS,
+) -> Callable[[], tuple[_CacheOutputs, _ReplayOutputs]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: keep the
+    outputs of ``saved_ops`` (aten op names, default `SAVED_OPS`), recompute the rest.
+
+    Each call of the returned function makes the two modes of one checkpointed call, sharing one cache.
+    """
+    names = tuple(saved_ops)
+    unknown = [n for n in names if not isinstance(n, str)]
+    if unknown or not names:
+        raise ValueError(f"saved_ops must be a non-empty list of aten op names like 'mm', got {names!r}")
+    saved = saved_op_packets(names)
+    if not saved:
+        raise ValueError(f"none of saved_ops={names!r} is an aten op of this torch; see SAVED_OPS")
+
+    def context_fn() -> tuple[_CacheOutputs, _ReplayOutputs]:
+        cache = _Cache()
+        return _CacheOutputs(cache, saved), _ReplayOutputs(cache, saved)
+
+    return context_fn
