@@ -279,3 +279,28 @@ def test_selective_under_fsdp_style_split_input_and_weight_functions() -> None:
     stage_backward_weight(model.parameters(), param_groups)
     for g, w in zip([p.grad for p in model.parameters()] + [grads[0]], want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_cache_is_freed_with_the_graph_after_full_and_split_backward(monkeypatch) -> None:
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from pp_offload.runtime import recompute
+
+    cached: list[StorageWeakRef] = []
+    put = recompute._Cache.put
+
+    def recording_put(self, func, out):
+        cached.append(StorageWeakRef(out.untyped_storage()))
+        put(self, func, out)
+
+    monkeypatch.setattr(recompute._Cache, "put", recording_put)
+    model = _blocks()
+    activation_checkpointing({0: model}, layers=list, mode="selective")
+    x = torch.randn(ROWS, HIDDEN)
+    _grads(model, x)
+    _split_grads(model, x)
+    gc.collect()
+    assert len(cached) == 2 * 2 * LAYERS
+    assert all(ref.expired() for ref in cached), "selective recompute's cache outlived the graph"
