@@ -353,8 +353,9 @@ def test_selective_recompute_with_offload(schedule: str, offload: str) -> None:
     assert middle
     layers_per_entry = AC_LAYERS // (2 * PP) if offload == "full" else 1
     for stats in middle:
-        # per layer: q, k, v, o, gate, up, down projections (mm) and eager attention's two matmuls
-        assert stats.cached >= 9 * layers_per_entry, stats
+        # per layer: q, k, v, o, gate, up projections (mm) and eager attention's two matmuls (the down
+        # projection, the layer's last matmul, is not kept: a recomputation never reaches it)
+        assert stats.cached >= 8 * layers_per_entry, stats
         assert stats.kept["parameter"] == 0, stats
         assert stats.captured_bytes > ROWS * SEQ * LLAMA["hidden_size"] * 4, stats
 

@@ -227,7 +227,7 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 "dropped": sum(a.computation_type == OFFLOAD for a in schedule.offload.plan.order[rank])
                 - len(schedule.offload.plan.offloaded[rank]),
             }
-    # selective recompute: each block keeps its two Linear outputs and recomputes its GELU
+    # selective recompute: each block keeps its first Linear's output and recomputes its GELU
     assert activation_checkpointing(dict(enumerate(model)), layers=list, mode="selective") == 2 * d * LAYERS
     for name, placement in SCHEDULES:
         for policy in RECOMPUTE_POLICIES:
@@ -288,10 +288,11 @@ def test_budget_offload_keeps_losses_and_grads() -> None:
 
 def test_selective_recompute_with_offload_keeps_losses_and_grads() -> None:
     """Selective recompute alone, with whole-chunk and with budget offload: exact, and the cached Linear
-    outputs went through the store: a whole chunk holds each block's two outputs (the stage input stays
-    in place; a block's input is the previous block's output, one storage); a moved layer holds its two
-    outputs and, past the first, its input (the previous layer's output, which that layer's entry holds
-    too). Without the cache in the store a chunk would hold only block inputs."""
+    outputs went through the store: each block keeps its first Linear's output (its second is the
+    block's last op, which a recomputation never reaches, so it is not kept), so a whole chunk holds one
+    output per block plus the inputs of its blocks past the first (the stage input stays in place); a
+    moved layer holds its kept output and, past the first, its input. Without the cache in the store a
+    chunk would hold only block inputs."""
     d, m = 2, 4
     ref_losses, ref_grads = _reference(d, m)
     results = _run(d)
@@ -311,9 +312,9 @@ def test_selective_recompute_with_offload_keeps_losses_and_grads() -> None:
             assert captured, f"{what}: nothing captured"
             for key, nbytes in captured.items():
                 if len(key) == 2:
-                    want = 2 * LAYERS * BLOCK_BYTES
+                    want = (2 * LAYERS - 1) * BLOCK_BYTES
                 else:
-                    want = (2 if key[2] == 0 else 3) * BLOCK_BYTES
+                    want = (1 if key[2] == 0 else 2) * BLOCK_BYTES
                 assert nbytes == want, f"{what}: {key} captured {nbytes} bytes, expected {want}"
             assert all(len(k) == (2 if policy == "full" else 3) for k in captured), what
             if "ZB" in name and policy.startswith("budget"):  # recomputed in I and again, reloaded, in W

@@ -125,9 +125,11 @@ def test_cached_outputs_join_the_captured_chunk_and_move_with_it() -> None:
     model.zero_grad(set_to_none=True)
     xin, loss = capture("selective")
     stats = store.stats().chunks["selective"]
-    # each block keeps its two Linear outputs (addmm); a block's input is the previous block's second
-    # output (one storage, copied once), the first block's is the stage input the pipeline holds
-    assert stats.cached == 2 * LAYERS
+    # each block keeps its first Linear's output (GELU's input); its second Linear is the block's last op
+    # (nothing after it saves a tensor): the recomputation never reaches it, so its output is not kept.
+    # Also moved: the block inputs (the previous block's output; the first block's is the stage input
+    # the pipeline holds) and the last output (square's input)
+    assert stats.cached == LAYERS
     assert stats.captured_bytes == 2 * LAYERS * BLOCK_BYTES
     # without recompute: per block the inputs of Linear, GELU and Linear (the stage input excepted), and
     # the output (square's input; with recompute it is the last cached output, one storage)
@@ -289,13 +291,14 @@ def test_cache_is_freed_with_the_graph_after_full_and_split_backward(monkeypatch
     from pp_offload.runtime import recompute
 
     cached: list[StorageWeakRef] = []
-    put = recompute._Cache.put
+    record = recompute._Cache.record
 
-    def recording_put(self, func, out):
-        cached.append(StorageWeakRef(out.untyped_storage()))
-        put(self, func, out)
+    def recording(self, func, out):
+        if func.overloadpacket in self.saved:
+            cached.append(StorageWeakRef(out.untyped_storage()))
+        record(self, func, out)
 
-    monkeypatch.setattr(recompute._Cache, "put", recording_put)
+    monkeypatch.setattr(recompute._Cache, "record", recording)
     model = _blocks()
     activation_checkpointing({0: model}, layers=list, mode="selective")
     x = torch.randn(ROWS, HIDDEN)
@@ -304,3 +307,49 @@ def test_cache_is_freed_with_the_graph_after_full_and_split_backward(monkeypatch
     gc.collect()
     assert len(cached) == 2 * 2 * LAYERS
     assert all(ref.expired() for ref in cached), "selective recompute's cache outlived the graph"
+
+
+def test_trailing_matmul_is_not_kept_and_is_rerun_if_a_recomputation_reaches_it() -> None:
+    """A block's last Linear (only non-saving ops after it) is not kept: a recomputation stops before it.
+    With early stop off, the recomputation reaches it and runs it again: the same gradients."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    from pp_offload.runtime.recompute import NON_SAVING_OPS
+
+    assert {"add", "view", "_to_copy", "detach"} <= set(NON_SAVING_OPS) and "mul" not in NON_SAVING_OPS
+    x = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(4))
+    model = _blocks()
+    want, want_split = _grads(model, x), _split_grads(model, x)
+    activation_checkpointing({0: model}, layers=list, mode="selective")
+    store = ActivationStore("cpu")
+    xin = x.detach().requires_grad_(True)
+    with store.capture("c", keep=[xin]):
+        out = model(xin)
+    # kept: each block's first Linear output; moved too: the inputs of blocks 2 and 3
+    assert store.stats().chunks["c"].cached == LAYERS
+    assert store.stats().chunks["c"].captured_bytes == (2 * LAYERS - 1) * BLOCK_BYTES
+    store.release("c")
+    del out
+    for early_stop in (True, False):
+        with set_checkpoint_early_stop(early_stop):
+            for got, w in ((_grads(model, x), want), (_split_grads(model, x), want_split)):
+                for g, ref in zip(got, w, strict=True):
+                    torch.testing.assert_close(g, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_a_kept_output_changed_later_in_its_own_layer_is_refused() -> None:
+    class ScalesItsProjection(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            z = F.gelu(y)  # GELU saves y: the recomputation reads the kept y
+            y.mul_(2.0)  # ... which this changes after the fact
+            return z + y
+
+    layer = ScalesItsProjection()
+    activation_checkpointing({0: layer}, layers=lambda m: [m], mode="selective")
+    with pytest.raises(RuntimeError, match=r"output of aten.addmm.default was modified in place later"):
+        layer(torch.randn(ROWS, HIDDEN, requires_grad=True))
