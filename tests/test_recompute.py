@@ -353,3 +353,49 @@ def test_a_kept_output_changed_later_in_its_own_layer_is_refused() -> None:
     activation_checkpointing({0: layer}, layers=lambda m: [m], mode="selective")
     with pytest.raises(RuntimeError, match=r"output of aten.addmm.default was modified in place later"):
         layer(torch.randn(ROWS, HIDDEN, requires_grad=True))
+
+
+class _Tap(nn.Module):
+    """Returns its Linear's output (kept: GELU reads it) as the next layer's input, and a side loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x)
+        return y, F.gelu(y).mean()
+
+
+def test_kept_output_that_is_also_the_next_layers_input_is_one_copy() -> None:
+    torch.manual_seed(0)
+    layers = [_Tap(), _Tap()]
+    x = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(5))
+
+    def loss_of(xin: torch.Tensor) -> torch.Tensor:
+        h, extra = xin, []
+        for layer in layers:
+            h, side = layer(h)
+            extra.append(side)
+        return h.square().mean() + sum(extra)
+
+    xin = x.clone().requires_grad_(True)
+    loss_of(xin).backward()
+    want = [p.grad.clone() for layer in layers for p in layer.parameters()] + [xin.grad]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    activation_checkpointing({0: nn.ModuleList(layers)}, layers=list, mode="selective")
+    store = ActivationStore("cpu")
+    xin = x.clone().requires_grad_(True)
+    with store.capture("c", keep=[xin]):
+        loss = loss_of(xin)
+    stats = store.stats().chunks["c"]
+    # y1: kept by layer 1 and saved as layer 2's input; y2: kept by layer 2 and saved by square
+    assert stats.cached == 2 and stats.captured_bytes == 2 * BLOCK_BYTES and stats.copies == 2
+    assert stats.views == 2  # each storage recorded twice, copied once
+    store.offload("c")
+    store.reload("c")
+    loss.backward()
+    got = [p.grad for layer in layers for p in layer.parameters()] + [xin.grad]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

@@ -361,7 +361,8 @@ def activation_checkpointing(
     place); nothing inside the layer reaches the store.
 
     mode ``"selective"``: the layer also keeps the outputs of matmuls and attention kernels
-    (`pp_offload.runtime.recompute.SAVED_OPS`) and recomputes only the cheap ops (norms, rotary,
+    (`pp_offload.runtime.recompute.SAVED_OPS`; not its trailing matmul, which a recomputation never
+    reaches) and recomputes only the cheap ops (norms, rotary,
     activation functions, products): less recompute time than ``full``, far fewer bytes than no
     checkpointing. Under offload the kept outputs belong to the chunk (or, with a budget policy, the
     layer) being captured, so they move to host memory and back with it.

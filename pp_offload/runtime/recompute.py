@@ -18,10 +18,13 @@ of running those ops again. It is written for pipelines, where torch's own
   backward an extra time"). Here the cache keeps its entries for every recomputation; they are freed with
   the checkpoint's autograd graph (after W, or after a full backward B).
 - Offload: torch's cache holds the outputs outside autograd's saved tensors, where the activation store
-  cannot see them, so they would stay on the device while the store moves the rest. Here each cached
-  output goes to the chunk being captured (`pp_offload.runtime.store.save_in_capture`): it moves to host
-  memory at OFFLOAD and comes back at RELOAD with the chunk, counted in the store's stats. Outside a
-  capture the cache holds the tensors itself.
+  cannot see them, so they would stay on the device while the store moves the rest. Here, when the
+  layer's forward ends, each kept output goes to the chunk being captured
+  (`pp_offload.runtime.store.save_in_capture`): it moves to host memory at OFFLOAD and comes back at
+  RELOAD with the chunk, counted in the store's stats. Outside a capture the cache holds the tensors.
+
+A layer's trailing matmul (only ops whose backward saves nothing after it, `NON_SAVING_OPS`) is not kept:
+checkpointing stops a recomputation once every tensor backward needs is back, before reaching it.
 
 Recomputation is matched to the forward by the order of the saved ops' calls (the n-th ``mm`` of the
 recompute takes the n-th ``mm`` output of the forward); other ops are not counted, so the extra
