@@ -5,7 +5,7 @@ whole forward in backward. Selective recompute keeps what is expensive to recomp
 outputs of the ops in `SAVED_OPS`: projections, MLP matmuls, the attention kernel) and recomputes what is
 cheap to recompute and costly to keep (norms and their fp32 copies, rotary embeddings, activation
 functions, elementwise products, dropout masks). For an HF Llama layer in bf16 that halves the bytes an
-offload moves per layer (43.6 -> 22.1 bytes per token per hidden unit; GPT-2 56.1 -> 22.1:
+offload moves per layer (43.6 -> 20.1 bytes per token per hidden unit; GPT-2 56.1 -> 20.1:
 bench/bench_recompute.py).
 
 `selective_checkpoint_context` is a ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: a forward
