@@ -132,6 +132,16 @@ class _Plain:
         return self.tensor
 
 
+def _detached(x: Any) -> Any:
+    """A fresh tensor for autograd to own (no reference to the forward's graph, none shared between the
+    I and W recomputations). Only differentiable dtypes: an integer output (an attention kernel's RNG
+    seed and offset) never gets autograd history, and a detached view of one would carry view metadata
+    that a dispatch mode must not return (torch's own selective checkpointing does the same)."""
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+        return x.detach()
+    return x
+
+
 _RUN = object()
 """A cache entry the recomputation re-runs instead of reading (a trailing matmul: see NON_SAVING_OPS)."""
 
@@ -162,7 +172,7 @@ class _Cache:
         if packet not in self.saved:
             return
         with compat.views_share_version():
-            held = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+            held = tree_map(_detached, out)
         versions = [x._version for x in tree_flatten(held)[0] if isinstance(x, torch.Tensor)]
         self.pending.append([func, held, versions])
         if packet.__name__ not in _OUTPUT_SAVING:
@@ -208,9 +218,7 @@ class _Cache:
             return func(*args, **kwargs)
 
         def give(x: Any) -> Any:
-            if isinstance(x, (_Plain, SavedInCapture)):
-                return x.get().detach()
-            return x
+            return _detached(x.get()) if isinstance(x, (_Plain, SavedInCapture)) else x
 
         with compat.views_share_version():
             return tree_map(give, outputs[n])
