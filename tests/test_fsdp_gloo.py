@@ -1,13 +1,13 @@
 """Hybrid pipeline x FSDP2 on CPU (gloo): 4 processes, pp 2 x dp 2, must compute what one process computes.
 
 One spawn runs every schedule (our V-Min, V-Half, V-ZB, torch's ZBVZeroBubble and Interleaved1F1B), each
-without offload, with full activation offload and with budget offload (layer by layer), on a tiny Llama
-with a tied embedding / LM head (V placement puts both ends on pipeline rank 0: the replicated-weight path;
-loop placement puts them on different pipeline ranks: two sharded ends whose local gradient shards are
-summed over the pipeline group), plus HSDP, bf16
-and per-layer activation checkpointing under offload. Each data-parallel rank takes its half of the global
-batch; the loss is the token cross entropy over the global target count, so the step's loss summed over dp
-and every parameter's full gradient must equal one process running the unsplit model on the whole batch.
+without offload, with full activation offload and with budget offload (layer by layer), on a tiny Llama with a
+tied embedding / LM head (V placement puts both ends on pipeline rank 0: the replicated-weight path; loop
+placement puts them on different pipeline ranks: two sharded ends whose local gradient shards are summed over
+the pipeline group), plus HSDP, bf16 and per-layer activation checkpointing (full, and selective recompute)
+under offload. Each data-parallel rank takes its half of the global batch; the loss is the token cross entropy
+over the global target count, so the step's loss summed over dp and every parameter's full gradient must equal
+one process running the unsplit model on the whole batch.
 
 A second spawn pins the reshard_after_forward pitfall down: torch's I pass collects ``submod.parameters()``
 and a layer resharded after its forward shows its sharded parameters there, so nested ``fully_shard`` units
@@ -47,6 +47,7 @@ SCHEDULES = (
 )
 OFFLOADS = (None, "full", "budget:1")  # budget: each stage moves its one decoder layer
 AC_SCHEDULES = ("ScheduleVHalf", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B")
+SELECTIVE_CELLS = (("ScheduleZBVZeroBubble", "full"), ("ScheduleVHalf", "budget:1"))  # selective recompute
 LR = 0.5  # large, so that a step taken with a wrong gradient or a stale parameter shows
 RTOL, ATOL = 1e-5, 1e-6  # fp32: the pipelined run sums microbatches and dp ranks in another order
 
@@ -153,7 +154,7 @@ def _run_one(
     *,
     wrapping: str = "apply_fsdp",
     layers: int = LLAMA["num_hidden_layers"],
-    checkpointing: bool = False,
+    checkpointing: bool | str = False,
     sgd_steps: int = 0,
     accumulate: int = 1,
     **fsdp: Any,
@@ -182,7 +183,8 @@ def _run_one(
         model, num_stages=num_stages, stage_indices=stage_indices(pp_rank(mesh), PP, info.placement)
     )
     if checkpointing:
-        assert activation_checkpointing(split) == layers // PP
+        mode = "full" if checkpointing is True else checkpointing
+        assert activation_checkpointing(split, mode=mode) == layers // PP
     if wrapping == "apply_fsdp":
         sharded = apply_fsdp(split, mesh, split_backward=info.split_backward, **fsdp)
     else:
@@ -257,6 +259,10 @@ def _matrix_worker(rank: int, world: int, schedules: tuple[str, ...], offloads: 
             out[(name, offload)] = _run_one(mesh, name, offload)
     for name in AC_SCHEDULES:
         out[("checkpointing", name)] = _run_one(mesh, name, "full", layers=AC_LAYERS, checkpointing=True)
+    for name, offload in SELECTIVE_CELLS:
+        out[("selective", name, offload)] = _run_one(
+            mesh, name, offload, layers=AC_LAYERS, checkpointing="selective"
+        )
     out["bf16"] = _run_one(mesh, "ScheduleVHalf", "full", mixed_precision="bf16")
     out["sgd"] = _run_one(mesh, "ScheduleVHalf", "full", sgd_steps=2)
     out["sgd_loop"] = _run_one(mesh, "ScheduleInterleaved1F1B", None, sgd_steps=2)
@@ -334,6 +340,24 @@ def test_activation_checkpointing_with_offload(schedule: str) -> None:
         assert stats.kept["parameter"] == 0 and stats.stored == 1, stats
         assert stats.captured_bytes == hidden_bytes, stats
     assert all(n == AC_LAYERS // (2 * PP) for r in results for n in r["layers"].values())
+
+
+@pytest.mark.parametrize(("schedule", "offload"), SELECTIVE_CELLS)
+def test_selective_recompute_with_offload(schedule: str, offload: str) -> None:
+    """Selective recompute under FSDP and offload: same grads; a middle stage's chunk (or moved layer)
+    holds the matmul and attention outputs its layers cached (more than full checkpointing's one layer
+    input), never a parameter (FSDP's unsharded weights stay outside the store)."""
+    results = [r[("selective", schedule, offload)] for r in _matrix()]
+    _check_run(results, f"selective {schedule} offload={offload}", layers=AC_LAYERS)
+    middle = [stats for r in results for key, stats in r["chunks"] if key[0] not in (0, 2 * PP - 1)]
+    assert middle
+    layers_per_entry = AC_LAYERS // (2 * PP) if offload == "full" else 1
+    for stats in middle:
+        # per layer: q, k, v, o, gate, up projections (mm) and eager attention's two matmuls (the down
+        # projection, the layer's last matmul, is not kept: a recomputation never reaches it)
+        assert stats.cached >= 8 * layers_per_entry, stats
+        assert stats.kept["parameter"] == 0, stats
+        assert stats.captured_bytes > ROWS * SEQ * LLAMA["hidden_size"] * 4, stats
 
 
 def test_optimizer_steps_and_accumulation() -> None:

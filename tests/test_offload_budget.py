@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -171,38 +172,50 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target)
 
 
-def _worker(rank: int, world_size: int, m: int) -> dict:
+RECOMPUTE_POLICIES = (None, "full", "budget:0.67")  # selective recompute alone and with offload
+BLOCK_BYTES = ROWS * HIDDEN * 4  # one fp32 activation of a block
+
+
+def _step(rank: int, d: int, m: int, model: nn.Sequential, name: str, placement: str, policy: Any) -> tuple:
+    """One step of ``name`` with offload ``policy`` on this rank: (schedule, losses, grads, stage ids)."""
     import torch.distributed.pipelining as tp
     from torch.distributed.pipelining import PipelineStage
 
     import pp_offload
     from pp_offload.runtime.offload import enable_offload
 
+    x, y = _batch(m)
+    ids = (rank, 2 * d - 1 - rank) if placement == "v" else (rank, rank + d)
+    model.zero_grad(set_to_none=True)
+    stages = [PipelineStage(model[s], s, 2 * d, torch.device("cpu")) for s in ids]
+    kwargs = {"loss_fn": _loss, "scale_grads": False}
+    if hasattr(pp_offload, name):
+        schedule = getattr(pp_offload, name)(stages, m, offload=policy, **kwargs)
+    else:
+        schedule = getattr(tp, name)(stages, m, **kwargs)
+        enable_offload(schedule, policy)
+    losses: list[torch.Tensor] = []
+    schedule.step(
+        *((x,) if 0 in ids else ()), **({"target": y, "losses": losses} if 2 * d - 1 in ids else {})
+    )
+    grads = {f"{s}.{n}": p.grad.clone() for s in ids for n, p in model[s].named_parameters()}
+    return schedule, [t.detach() for t in losses], grads, ids
+
+
+def _worker(rank: int, world_size: int, m: int) -> dict:
+    from pp_offload.parallel import activation_checkpointing
+
     d = world_size
     model = _model(d)
-    x, y = _batch(m)
     out: dict = {}
     for name, placement in SCHEDULES:
-        ids = (rank, 2 * d - 1 - rank) if placement == "v" else (rank, rank + d)
         for policy in POLICIES:
-            model.zero_grad(set_to_none=True)
-            stages = [PipelineStage(model[s], s, 2 * d, torch.device("cpu")) for s in ids]
-            kwargs = {"loss_fn": _loss, "scale_grads": False}
-            if hasattr(pp_offload, name):
-                schedule = getattr(pp_offload, name)(stages, m, offload=policy, **kwargs)
-            else:
-                schedule = getattr(tp, name)(stages, m, **kwargs)
-                enable_offload(schedule, policy)
-            losses: list[torch.Tensor] = []
-            schedule.step(
-                *((x,) if 0 in ids else ()), **({"target": y, "losses": losses} if 2 * d - 1 in ids else {})
-            )
+            schedule, losses, grads, ids = _step(rank, d, m, model, name, placement, policy)
             store = schedule.offload.store
             assert store.resident_bytes() == 0, "chunks left in the store after a step"
             layered = {k: v for k, v in store.last_captured.items() if len(k) == 3}
-            grads = {f"{s}.{n}": p.grad.clone() for s in ids for n, p in model[s].named_parameters()}
             out[(name, policy)] = {
-                "losses": [t.detach() for t in losses],
+                "losses": losses,
                 "grads": grads,
                 "moved_bytes": sum(layered.values()),
                 "whole_chunks": len(store.last_captured) - len(layered),
@@ -213,6 +226,23 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 # OFFLOADs beyond one per chunk: chunks dropped between I and W
                 "dropped": sum(a.computation_type == OFFLOAD for a in schedule.offload.plan.order[rank])
                 - len(schedule.offload.plan.offloaded[rank]),
+            }
+    # selective recompute: each block keeps its first Linear's output and recomputes its GELU
+    assert activation_checkpointing(dict(enumerate(model)), layers=list, mode="selective") == 2 * d * LAYERS
+    for name, placement in SCHEDULES:
+        for policy in RECOMPUTE_POLICIES:
+            schedule, losses, grads, ids = _step(rank, d, m, model, name, placement, policy)
+            runtime = getattr(schedule, "offload", None)  # None: no offload (torch schedules lack it)
+            if runtime is not None:
+                assert runtime.store.resident_bytes() == 0, "chunks left in the store after a step"
+            out[("selective", name, policy)] = {
+                "losses": losses,
+                "grads": grads,
+                "captured": dict(runtime.store.last_captured) if runtime is not None else {},
+                "dropped": 0
+                if runtime is None
+                else sum(a.computation_type == OFFLOAD for a in runtime.plan.order[rank])
+                - len(runtime.plan.offloaded[rank]),
             }
     return out
 
@@ -254,6 +284,41 @@ def test_budget_offload_keeps_losses_and_grads() -> None:
                 assert sum(g["dropped"] for g in got) > 0, (
                     f"{name} {policy}: no chunk dropped between I and W"
                 )
+
+
+def test_selective_recompute_with_offload_keeps_losses_and_grads() -> None:
+    """Selective recompute alone, with whole-chunk and with budget offload: exact, and the cached Linear
+    outputs went through the store: each block keeps its first Linear's output (its second is the
+    block's last op, which a recomputation never reaches, so it is not kept), so a whole chunk holds one
+    output per block plus the inputs of its blocks past the first (the stage input stays in place); a
+    moved layer holds its kept output and, past the first, its input. Without the cache in the store a
+    chunk would hold only block inputs."""
+    d, m = 2, 4
+    ref_losses, ref_grads = _reference(d, m)
+    results = _run(d)
+    for name, _ in SCHEDULES:
+        for policy in RECOMPUTE_POLICIES:
+            what = f"selective recompute, {name} offload={policy}"
+            got = [r[("selective", name, policy)] for r in results]
+            torch.testing.assert_close([t for g in got for t in g["losses"]], ref_losses, msg=what)
+            grads = {k: v for g in got for k, v in g["grads"].items()}
+            assert grads.keys() == ref_grads.keys()
+            for key, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[key], msg=f"{what}: {key}")
+            captured = {k: v for g in got for k, v in g["captured"].items()}
+            if policy is None:
+                assert not captured
+                continue
+            assert captured, f"{what}: nothing captured"
+            for key, nbytes in captured.items():
+                if len(key) == 2:
+                    want = (2 * LAYERS - 1) * BLOCK_BYTES
+                else:
+                    want = (1 if key[2] == 0 else 2) * BLOCK_BYTES
+                assert nbytes == want, f"{what}: {key} captured {nbytes} bytes, expected {want}"
+            assert all(len(k) == (2 if policy == "full" else 3) for k in captured), what
+            if "ZB" in name and policy.startswith("budget"):  # recomputed in I and again, reloaded, in W
+                assert sum(g["dropped"] for g in got) > 0, f"{what}: no chunk dropped between I and W"
 
 
 def test_offload_after_reload_drops_without_a_copy() -> None:

@@ -172,7 +172,8 @@ def test_hybrid_pp2_dp2_matches_single_process_with_sharded_resume_and_export(
 ) -> None:
     """4 ranks as 2 pipeline ranks x 2 FSDP replicas: V-Half (tied weight replicated on rank 0) with a
     sharded checkpoint resumed; GPT-2 under Interleaved1F1B (tie across ranks, sharded) with offload and
-    activation checkpointing. Losses and grad norms equal one process; the export is one HF model."""
+    selective activation checkpointing (full checkpointing: tests/test_eval_lora.py, test_fsdp_gloo.py).
+    Losses and grad norms equal one process; the export is one HF model."""
     dp2 = {"pipeline__dp": 2}
     full = _config(tmp_path / "full", output__save_every=0, **dp2)
     first = _config(tmp_path / "resumed", steps=2, output__export=False, **dp2)
@@ -183,7 +184,7 @@ def test_hybrid_pp2_dp2_matches_single_process_with_sharded_resume_and_export(
         schedule="ScheduleInterleaved1F1B",
         steps=3,
         pipeline__offload="full",
-        train__activation_checkpointing=True,
+        train__activation_checkpointing="selective",
         output__export=False,
         **dp2,
     )

@@ -9,14 +9,17 @@ loss `pp_offload.models.TokenCrossEntropy` over the global target count); ``shar
 (a weight tied across this rank's two V stages gets its gradient summed over dp after each step); then
 create the optimizer on the now sharded parameters, and clip with `clip_grad_norm_` (the norm over every
 pipeline and data-parallel rank). ``activation_checkpointing(split)`` recomputes each decoder layer in
-backward (composes with offload: a recomputed layer saves only its input). See `pp_offload.parallel.fsdp`
-for why each choice.
+backward (composes with offload: a recomputed layer saves only its input); ``mode="selective"`` keeps its
+matmul and attention outputs and recomputes only the cheap ops (they move with the offloaded chunk).
+See `pp_offload.parallel.fsdp` for why each choice.
 """
 
 from pp_offload.parallel.fsdp import (
+    CHECKPOINTING_MODES,
     ShardedStages,
     activation_checkpointing,
     apply_fsdp,
+    checkpointing_mode,
     clip_grad_norm_,
     grad_norm,
     mixed_precision_policy,
@@ -24,11 +27,13 @@ from pp_offload.parallel.fsdp import (
 from pp_offload.parallel.mesh import MeshError, build_mesh, data_parallel_mesh, dp_rank, pp_rank
 
 __all__ = [
+    "CHECKPOINTING_MODES",
     "MeshError",
     "ShardedStages",
     "activation_checkpointing",
     "apply_fsdp",
     "build_mesh",
+    "checkpointing_mode",
     "clip_grad_norm_",
     "data_parallel_mesh",
     "dp_rank",

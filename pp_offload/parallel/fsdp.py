@@ -71,9 +71,11 @@ from pp_offload.parallel.mesh import data_parallel_mesh
 from pp_offload.runtime import compat
 
 __all__ = [
+    "CHECKPOINTING_MODES",
     "ShardedStages",
     "activation_checkpointing",
     "apply_fsdp",
+    "checkpointing_mode",
     "clip_grad_norm_",
     "grad_norm",
     "mixed_precision_policy",
@@ -305,39 +307,92 @@ def apply_fsdp(
     return sharded
 
 
+CHECKPOINTING_MODES = ("full", "selective")
+"""`activation_checkpointing` modes: ``full`` recomputes a layer's whole forward from its input,
+``selective`` keeps the outputs of matmuls and attention kernels and recomputes the rest
+(`pp_offload.runtime.recompute`)."""
+
+
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _selective(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_context(), **kwargs)
+
+
+@functools.cache
+def _selective_context() -> Callable[[], Any]:
+    from pp_offload.runtime.recompute import selective_checkpoint_context
+
+    return selective_checkpoint_context()
+
+
+_WRAPPERS = {"full": _checkpointed, "selective": _selective}
+
+
+def checkpointing_mode(value: Any) -> str | None:
+    """The recipe's ``train.activation_checkpointing`` as a mode: ``false``/``"none"`` -> None, ``true`` ->
+    ``"full"``, ``"full"``/``"selective"`` as they are; anything else raises ValueError naming the choices."""
+    if value is False or value is None or value == "none":
+        return None
+    if value is True:
+        return "full"
+    if isinstance(value, str) and value in CHECKPOINTING_MODES:
+        return value
+    raise ValueError(
+        f"activation checkpointing must be false, true, 'full' or 'selective', got {value!r}; 'full' "
+        "recomputes each decoder layer from its input, 'selective' keeps matmul and attention outputs"
+    )
 
 
 def activation_checkpointing(
     modules: ModelSplit | Mapping[int, nn.Module] | Sequence[nn.Module] | nn.Module,
     *,
     layers: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
+    mode: str = "full",
 ) -> int:
     """Recompute every decoder layer of the stage modules in backward; returns how many layers it wrapped.
 
-    A checkpointed layer saves only its inputs in forward (non-reentrant ``torch.utils.checkpoint``): it
-    saves them as autograd saved tensors, so the activation store's hooks see them, and under offload a
-    layer's input moves to host memory like any activation (the first layer's input is the stage's own
-    input, which the pipeline holds anyway and the store leaves in place); nothing inside the layer
-    reaches the store. Parameter names are unchanged: the layer's own ``forward`` is replaced by a
-    checkpointed call of it (an instance attribute), inside the module call, so FSDP's forward hooks
-    (all-gather, reshard) run once around it and never during recomputation, which reads the parameters
-    the pipeline runtime keeps unsharded for the whole backward of the stage.
+    mode ``"full"``: a checkpointed layer saves only its inputs in forward (non-reentrant
+    ``torch.utils.checkpoint``): it saves them as autograd saved tensors, so the activation store's hooks
+    see them, and under offload a layer's input moves to host memory like any activation (the first
+    layer's input is the stage's own input, which the pipeline holds anyway and the store leaves in
+    place); nothing inside the layer reaches the store.
+
+    mode ``"selective"``: the layer also keeps the outputs of matmuls and attention kernels
+    (`pp_offload.runtime.recompute.SAVED_OPS`; not its trailing matmul, which a recomputation never
+    reaches) and recomputes only the cheap ops (norms, rotary,
+    activation functions, products): less recompute time than ``full``, far fewer bytes than no
+    checkpointing. Under offload the kept outputs belong to the chunk (or, with a budget policy, the
+    layer) being captured, so they move to host memory and back with it.
+
+    Parameter names are unchanged: the layer's own ``forward`` is replaced by a checkpointed call of it
+    (an instance attribute), inside the module call, so FSDP's forward hooks (all-gather, reshard) run
+    once around it and never during recomputation, which reads the parameters the pipeline runtime keeps
+    unsharded for the whole backward of the stage.
 
     Cost with split backward: the I and the W pass each recompute the layer's forward once (they are two
     autograd calls, and one shared recomputation would have to keep the layer's activations alive from
-    I to W, which is what checkpointing avoids); a full backward (B) recomputes it once. Idempotent.
-    Apply before or after `apply_fsdp`, before the first step.
+    I to W, which is what checkpointing avoids); a full backward (B) recomputes it once. Idempotent; a
+    second call with another mode switches the layers to it. Apply before or after `apply_fsdp`, before
+    the first step.
     """
+    if mode not in _WRAPPERS:
+        raise ValueError(f"mode must be one of {CHECKPOINTING_MODES}, got {mode!r}")
+    wrapper = _WRAPPERS[mode]
     find_layers = layers if layers is not None else _decoder_layers
     wrapped = 0
     for stage in _stage_modules(modules).values():
         for layer in find_layers(stage):
-            current = vars(layer).get("forward")
-            if isinstance(current, functools.partial) and current.func is _checkpointed:
-                continue
-            layer.forward = functools.partial(_checkpointed, layer.forward)
+            forward = vars(layer).get("forward")
+            if isinstance(forward, functools.partial) and forward.func in _WRAPPERS.values():
+                if forward.func is wrapper:
+                    continue
+                forward = forward.args[0]  # another mode: rewrap the forward it wraps
+            else:
+                forward = layer.forward
+            layer.forward = functools.partial(wrapper, forward)
             wrapped += 1
     return wrapped
 

@@ -490,7 +490,7 @@ def build_pipeline(
     ``shard``), and build its ``PipelineStage``s (on this replica's pipeline group) and the schedule."""
     from torch.distributed.pipelining import PipelineStage
 
-    from pp_offload.parallel import activation_checkpointing, apply_fsdp
+    from pp_offload.parallel import activation_checkpointing, apply_fsdp, checkpointing_mode
     from pp_offload.runtime.offload import enable_offload
 
     spec = config.pipeline
@@ -514,8 +514,9 @@ def build_pipeline(
         if config.lora is not None:
             init_adapters(split.module, seed=config.train.seed)
     split.module.to(device)
-    if config.train.activation_checkpointing:
-        activation_checkpointing(split)
+    recompute = checkpointing_mode(config.train.activation_checkpointing)
+    if recompute is not None:
+        activation_checkpointing(split, mode=recompute)
     sharded = None
     if topo.dp > 1 and shard:
         sharded = apply_fsdp(

@@ -48,7 +48,7 @@ from pp_offload.data import (
 from pp_offload.models import TokenCrossEntropy, export_pretrained, router_aux_of
 from pp_offload.models.evaluate import EvalResult, evaluate_model, evaluate_pipeline
 from pp_offload.models.lora import export_adapter, merged_state, unwrap_peft
-from pp_offload.parallel import build_mesh, clip_grad_norm_, grad_norm
+from pp_offload.parallel import build_mesh, checkpointing_mode, clip_grad_norm_, grad_norm
 from pp_offload.recipe.auto import choose_schedule, is_auto
 from pp_offload.recipe.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from pp_offload.recipe.config import ConfigError, RecipeConfig
@@ -112,6 +112,10 @@ def _check(config: RecipeConfig) -> None:
         raise ConfigError(f"train.lr_schedule must be cosine or constant, got {train.lr_schedule!r}")
     if train.precision not in ("fp32", "bf16"):
         raise ConfigError(f"train.precision must be fp32 or bf16, got {train.precision!r}")
+    try:
+        checkpointing_mode(train.activation_checkpointing)
+    except ValueError as error:
+        raise ConfigError(f"train.activation_checkpointing: {error}") from None
     if train.eval_every < 0:
         raise ConfigError(
             f"train.eval_every must be >= 0 (0: evaluate only at the end), got {train.eval_every}"

@@ -1,4 +1,4 @@
-"""The one place that touches torch.distributed.pipelining's private names.
+"""The one place that touches torch's private names (pipelining's runtime, dispatch modes).
 
 torch's multi-stage runtime (`_PipelineScheduleRuntime`), its action type (`_Action`,
 `_ComputationType`) and its custom-action hook (`_comp_type_to_function_map`) are private and drift
@@ -11,6 +11,12 @@ Known drift handled here:
 - ``loss_kwargs`` (``step(..., loss_kwargs=...)``, ``_maybe_compute_loss(..., loss_kwargs)``) is newer
   than torch 2.11.
 - ``_check_torch_compile_compatibility`` (refuses split I/W backward on compiled stages) may be absent.
+
+Selective recompute (`pp_offload.runtime.recompute`) needs two more private pieces, stable since torch 2.1:
+``TorchDispatchMode`` (``torch.utils._python_dispatch``, the base of every dispatch mode, torch's own
+selective checkpointing included) and the dispatch-key guard that lets a tensor detached beneath autograd
+share its version counter (`views_share_version`). It does not use torch's selective checkpointing
+internals (its cache layout changed between 2.11 and 2.13).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining._backward import (  # noqa: F401  (re-exported for tests and tools)
     stage_backward,
@@ -31,6 +38,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineContext,
     _PipelineScheduleRuntime,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pp_offload.order.actions import Action
 
@@ -38,8 +46,10 @@ __all__ = [
     "ActionContext",
     "RuntimeBase",
     "TorchAction",
+    "TorchDispatchMode",
     "action_kind",
     "check_compile_compatibility",
+    "views_share_version",
     "install_action_handler",
     "is_runtime_schedule",
     "lower_order_offline",
@@ -276,3 +286,15 @@ def lower_order_offline(
     runtime = _PipelineScheduleRuntime(stages, int(num_microbatches))
     runtime._prepare_schedule_with_comms(torch_order)
     return runtime.pipeline_order_with_comms
+
+
+# --- dispatch modes (selective recompute) ------------------------------------------------------------
+
+
+def views_share_version() -> Any:
+    """A context in which views and ``detach`` made from inside ``__torch_dispatch__`` (beneath autograd)
+    still share their source's version counter, and a detached tensor carries no autograd view metadata
+    (a tensor returned from a dispatch mode must not). Without it they skip ADInplaceOrView, the kernel
+    that links version counters, and an in-place change of the source would go unnoticed. torch's own
+    selective checkpointing detaches its cached outputs the same way."""
+    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False)

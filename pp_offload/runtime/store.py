@@ -34,7 +34,14 @@ the order checks are testable everywhere.
 
 autograd skips its in-place modification check for tensors saved through hooks; the store redoes it
 (at offload, and at unpack of a chunk never offloaded), so a saved tensor changed in place is an error
-here as it is without the store, never a silently wrong gradient.
+here as it is without the store, never a silently wrong gradient. A reloaded chunk's device buffers are
+checked too (at every unpack): a recomputation that changed an unpacked tensor in place would otherwise
+feed the changed values to the chunk's next backward pass (W after I).
+
+Selective recompute (`pp_offload.runtime.recompute`) keeps the outputs of the ops it does not recompute
+in a cache of its own, outside autograd's saved tensors. While a capture runs, that cache hands them to
+the store instead (`save_in_capture`), so they join the chunk being captured (its views, its copies, its
+version checks, its stats: ``ChunkStats.cached``) and move with it.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -49,7 +57,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["KEEP_REASONS", "ActivationStore", "ChunkStats", "PoolStats", "StoreStats"]
+__all__ = [
+    "KEEP_REASONS",
+    "ActivationStore",
+    "ChunkStats",
+    "PoolStats",
+    "SavedInCapture",
+    "StoreStats",
+    "save_in_capture",
+]
 
 _ALIGN_BYTES = 256
 """Segments start on this boundary in host and device buffers, and a storage span starts on it relative
@@ -93,6 +109,9 @@ class ChunkStats:
     """Device-to-host copies offload issues for the chunk."""
     kept: dict[str, int]
     """Saved tensors left in place, by reason (see KEEP_REASONS)."""
+    cached: int = 0
+    """Of the recorded or kept tensors, those handed over by selective recompute's cache (outputs of
+    the ops it does not recompute, `save_in_capture`) rather than saved by autograd."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +226,8 @@ class _Chunk:
         "reload_event",
         "alloc_stream",
         "waited",
+        "device_versions",
+        "cached",
     )
 
     def __init__(self, key: Hashable, keep: list[torch.Tensor]) -> None:
@@ -239,6 +260,8 @@ class _Chunk:
         self.reload_event: Any = None
         self.alloc_stream: int | None = None
         self.waited: set[int] = set()
+        self.device_versions: dict[torch.dtype, int] = {}  # of the reload buffers, after their copy
+        self.cached = 0
 
 
 class ActivationStore:
@@ -321,10 +344,13 @@ class ActivationStore:
             )
         chunk = _Chunk(key, [t for t in _tensors_in(keep) if t.layout is torch.strided])
         self._chunks[key] = chunk
+        captures = _active_captures()
+        captures.append((self, chunk))
         try:
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, chunk), self._unpack):
                 yield
         finally:
+            captures.pop()
             self._plan(chunk)
             chunk.state = _CAPTURED
             self.last_captured[key] = chunk.captured_bytes
@@ -349,6 +375,7 @@ class ActivationStore:
             # Saved tensors are read-only to backward, so the host copy is still exact: dropping the device
             # buffers frees them with no copy (zero-bubble orders: between I and W). CUDA: the buffers were
             # marked used by the streams that read them, so the allocator keeps them until those pass.
+            _check_device_versions(chunk)
             chunk.device = {}
             chunk.state = _OFFLOADED
             return
@@ -400,6 +427,7 @@ class ActivationStore:
             for dtype, buf in chunk.device.items():
                 buf.copy_(chunk.host[dtype].narrow(0, 0, buf.numel()), non_blocking=self._cuda)
             chunk.reload_event = self._record_event(self.reload_stream)
+        chunk.device_versions = {dtype: buf._version for dtype, buf in chunk.device.items()}
         if self.device.type == "cuda":
             chunk.alloc_stream = torch.cuda.current_stream(self.device).cuda_stream
             for buf in chunk.device.values():
@@ -453,6 +481,7 @@ class ActivationStore:
                 views=c.n_views,
                 copies=c.copies,
                 kept=dict(c.kept),
+                cached=c.cached,
             )
         pool = self._pool.stats()
         return StoreStats(
@@ -544,6 +573,7 @@ class ActivationStore:
         state = chunk.state
         if state is _RELOADED:
             dtype, size, stride, offset = chunk.views[index]
+            _check_device_versions(chunk)
             if self.device.type == "cuda":
                 self._wait_for_reload(chunk)
             return chunk.device[dtype].as_strided(size, stride, offset)
@@ -646,6 +676,18 @@ def _check_version(chunk: _Chunk, index: int) -> None:
         )
 
 
+def _check_device_versions(chunk: _Chunk) -> None:
+    """A reloaded chunk's buffers are only read by backward; a change means a recomputation modified an
+    unpacked saved tensor in place, which the chunk's next backward pass (W after I) must not read."""
+    for dtype, buf in chunk.device.items():
+        if buf._version != chunk.device_versions[dtype]:
+            raise RuntimeError(
+                f"a saved tensor of chunk {chunk.key!r} was modified in place after its reload (by a "
+                "recomputation in backward); its next backward pass would read the modified values. "
+                "Make the recomputed code use the out-of-place op"
+            )
+
+
 def _resident(chunk: _Chunk) -> int:
     if chunk.state is _CAPTURED or chunk.state is _CAPTURING:
         return chunk.captured_bytes
@@ -674,3 +716,54 @@ def _contiguous_strides(size: torch.Size) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
+
+
+# --- tensors handed over outside autograd ---------------------------------------------------------------
+
+_THREAD = threading.local()
+
+
+def _active_captures() -> list[tuple[ActivationStore, _Chunk]]:
+    """The captures running on this thread, innermost last (a forward runs on one thread; captures of
+    different stores or threads never see each other's tensors)."""
+    captures = getattr(_THREAD, "captures", None)
+    if captures is None:
+        captures = _THREAD.captures = []
+    return captures
+
+
+class SavedInCapture:
+    """A tensor recorded in a chunk by `save_in_capture`; `get` gives it back as autograd's unpack would:
+    the original before offload (version-checked), the reloaded copy after reload, an error in between.
+    """
+
+    __slots__ = ("_packed", "_store", "_version")
+
+    def __init__(self, store: ActivationStore, packed: Any, version: int) -> None:
+        self._store = store
+        self._packed = packed
+        self._version = version
+
+    def get(self) -> torch.Tensor:
+        packed = self._packed
+        if isinstance(packed, torch.Tensor):  # left in place (small, a parameter, kept): check it here
+            if packed._version != self._version:
+                raise RuntimeError(
+                    "a tensor cached for recomputation was modified in place after its forward "
+                    f"(version {self._version}, now {packed._version}); use the out-of-place op"
+                )
+            return packed
+        return self._store._unpack(packed)
+
+
+def save_in_capture(t: torch.Tensor) -> SavedInCapture | None:
+    """Record ``t`` in the chunk whose capture is running on this thread, exactly as if autograd had saved
+    it (kept or recorded by the same rules, copied with the chunk's other tensors); None when no capture
+    runs. Why: code that keeps tensors for backward outside autograd's saved tensors (selective recompute's
+    cache of op outputs) must not keep device memory an offload was meant to free."""
+    captures = _active_captures()
+    if not captures:
+        return None
+    store, chunk = captures[-1]
+    chunk.cached += 1
+    return SavedInCapture(store, store._pack(chunk, t), t._version)
