@@ -105,11 +105,16 @@ class Setup:
         return min(self.layer_bytes, st.activation.saved // st.layers)
 
     def layered_args(self) -> dict[str, Any]:
-        """`plan_offload`'s ``layers``/``layer_copy`` for budget offload on this setup's stages (one
-        layer's copy time per stage, in proportion to `stage_layer_bytes`)."""
+        """`plan_offload`'s ``layers``/``layer_copy``/``peaks`` for budget offload on this setup's stages
+        (one layer's copy time per stage, in proportion to `stage_layer_bytes`; peaks in bytes, as
+        `activation_peaks` reports them, so the budget lowers the peak that is reported)."""
         unit = self.layer_copy / self.layer_bytes if self.layer_bytes else 0.0
         copies = [unit * self.stage_layer_bytes(s) for s in range(len(self.stages))]
-        return {"layers": list(self.layers), "layer_copy": copies}
+
+        def peaks(sim: Any, layered: Any) -> dict[int, float]:  # compared in bytes, as reported
+            return dict(zip(sorted(sim.timeline), activation_peaks(sim, self, layered=layered), strict=True))
+
+        return {"layers": list(self.layers), "layer_copy": copies, "peaks": peaks}
 
     def static(self, rank: int) -> int:
         """Bytes of ``rank`` that do not depend on the order: state, receive buffers, transient, reserve."""
