@@ -433,7 +433,15 @@ def plan_offload(
     if not policy.enabled:
         return OffloadPlan(compute, offloaded, policy, simulate(compute, costs, copy_lanes=policy.lanes))
     if policy.mode == "budget":
-        return _plan_budget(compute, costs, policy, layers, layer_copy, peaks)
+        plan = _plan_budget(compute, costs, policy, layers, layer_copy, peaks)
+        if policy.fraction is None and policy.max_slowdown > _DEFAULT_MAX_SLOWDOWN:
+            # the search is greedy: a looser limit can end at the same peak for more time than the default
+            # one reaches; never return worse than the default limit's plan
+            strict = replace(policy, max_slowdown=_DEFAULT_MAX_SLOWDOWN)
+            other = _plan_budget(compute, costs, strict, layers, layer_copy, peaks)
+            if _plan_lower(other, plan, peaks):
+                plan = replace(other, policy=policy)
+        return plan
 
     base = simulate(compute, costs)
     num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
@@ -541,8 +549,8 @@ def _plan_budget(
                     c.moved = min(c.fit, math.floor(policy.fraction * c.layers + 0.5))
                 else:
                     c.moved = min(cap, c.fit)
-                    if c.moved > 0:  # extra layers go to chunks whose window hides one at least
-                        c.moved = min(c.layers, c.moved + extra.get((c.key[0], c.key[1] % 2), 0))
+                    if c.moved > 0:  # extra layers (or fewer) go to chunks whose window hides one at least
+                        c.moved = max(0, min(c.layers, c.moved + extra.get((c.key[0], c.key[1] % 2), 0)))
                 if c.moved == 0:
                     continue
                 moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copy)
@@ -567,25 +575,45 @@ def _plan_budget(
     limit = base.makespan * (1.0 + policy.max_slowdown) + _EPS
     top = max((c.fit for mine in chunks.values() for c in mine), default=0)
     best = None
+    halves: list[tuple] = []  # every-other-microbatch starts within the limit
     # per setting of drop_after_i (its second reloads compete for the host->device lane), bisection on
     # the cap of layers per chunk: the largest cap within the slowdown; the lower peak of the two wins
     setting = None
+    stages = {c.key[0] for mine in chunks.values() for c in mine}
     for drop in (False, True) if policy.drop_after_i else (False,):
+        tried = set()
         low, high = 1, top
         while low <= high:
             mid = (low + high) // 2
+            tried.add(mid)
             found = attempt(mid, drop)
             if found[2].makespan <= limit:
                 low = mid + 1
-                if best is None or (max(found[4].values()), found[2].makespan) < (
-                    max(best[4].values()),
-                    best[2].makespan,
-                ):
-                    best, setting = found, (mid, drop)
+                if best is None or _lower(found, best):
+                    best, setting = found, (mid, drop, {})
             else:
                 high = mid - 1
+        # the smallest settings too, since a larger cap may lower the peak no further for more time:
+        # one layer per chunk, and one layer on every other microbatch (when one per chunk is already
+        # too much for the copy lanes)
+        half = {(s, 1): -1 for s in stages}
+        for cap, extra in ((1, {}), (1, half)) if top >= 1 else ():
+            if extra or cap not in tried:
+                found = attempt(cap, drop, extra)
+                if found[2].makespan <= limit:
+                    if extra:
+                        halves.append((found, (cap, drop, extra)))
+                    if best is None or _lower(found, best):
+                        best, setting = found, (cap, drop, extra)
     if best is not None:
-        best = _raise_peak_stages(attempt, best, setting, chunks, limit)
+        # second phase from the best first-phase setting and from the every-other-microbatch ones: adding
+        # layers where the peak is can beat a uniform cap that reached the same peak at more cost
+        raised = [_raise_peak_stages(attempt, best, setting, chunks, limit)]
+        raised += [_raise_peak_stages(attempt, f, st, chunks, limit) for f, st in halves if st != setting]
+        best = raised[0]
+        for found in raised[1:]:
+            if _lower(found, best):
+                best = found
     if best is None:
         return OffloadPlan(
             compute, {r: [] for r in compute}, policy, simulate(compute, costs, copy_lanes=policy.lanes)
@@ -594,11 +622,31 @@ def _plan_budget(
     return OffloadPlan(planned, offloaded, policy, result, moved)
 
 
+def _plan_lower(plan: OffloadPlan, than: OffloadPlan, peaks_of) -> bool:
+    """`_lower` for two budget plans (their peaks from ``peaks_of``, else the simulator's chunk units)."""
+
+    def key(p: OffloadPlan) -> tuple:
+        found = dict(p.sim.peak_memory) if peaks_of is None else dict(peaks_of(p.sim, p.layered))
+        return (None, None, p.sim, None, found)
+
+    return _lower(key(plan), key(than))
+
+
+def _lower(found: tuple, than: tuple, tolerance: float = 1e-3) -> bool:
+    """Whether budget attempt ``found`` beats ``than``: a highest peak lower by more than ``tolerance``
+    (relative), or the same peak within it in less time. Why the tolerance: the peaks are in bytes, and a
+    larger cap can shave a few bytes off the peak for several percent more step time."""
+    a, b = max(found[4].values()), max(than[4].values())
+    if a < b * (1.0 - tolerance):
+        return True
+    return a <= b * (1.0 + tolerance) and found[2].makespan < than[2].makespan - _EPS
+
+
 def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: int = 48):
     """Budget auto, second phase: one more layer for the chunks of one stage at a time on a rank at the
     highest peak, longest-lived stages first, kept while the step stays within ``limit``, the rank's peak
-    falls and the highest peak does not rise: every microbatch of the stage, else every other one (even,
-    then odd microbatches).
+    falls and the highest peak does not rise: on every microbatch of the stage, else on every other one
+    (even, then odd microbatches).
     A rank whose chunks' windows hide no more (the V's turn, where F and B follow each other closely)
     stops the search once it holds the highest peak (``peaks``: in bytes when the caller gives them).
 
@@ -607,8 +655,7 @@ def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: 
     microbatch: at real sizes one layer's copy takes several layers' compute (k of 4-7), so one more
     layer on every chunk of a stage can take the copy lanes from half busy to saturated; on half the
     chunks it lowers the peak by about half as much for half the traffic, the granularity between."""
-    cap, drop = setting
-    extra: dict[tuple[int, int], int] = {}
+    cap, drop, extra = setting
     lifespans: dict[int, dict[int, list[float]]] = {}
     for rank, mine in chunks.items():
         for c in mine:
@@ -647,7 +694,7 @@ def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: 
                     and new[rank] < peaks[rank] - _EPS
                 ):
                     best, extra, improved = found, trial, True
-                    if max(new.values()) < max(chosen[4].values()) - _EPS:
+                    if _lower(found, chosen):
                         chosen = found
                     break
             if improved:
