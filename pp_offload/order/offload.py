@@ -609,7 +609,13 @@ def _plan_budget(
         # second phase from the best first-phase setting and from the every-other-microbatch ones: adding
         # layers where the peak is can beat a uniform cap that reached the same peak at more cost
         raised = [_raise_peak_stages(attempt, best, setting, chunks, limit)]
-        raised += [_raise_peak_stages(attempt, f, st, chunks, limit) for f, st in halves if st != setting]
+        others = [(f, st) for f, st in halves if st != setting]
+        if others:  # the best every-other-microbatch start only, with fewer tries (each one is a replay)
+            start = others[0]
+            for f, st in others[1:]:
+                if _lower(f, start[0]):
+                    start = (f, st)
+            raised.append(_raise_peak_stages(attempt, *start, chunks, limit, max_tries=8))
         best = raised[0]
         for found in raised[1:]:
             if _lower(found, best):
@@ -642,7 +648,7 @@ def _lower(found: tuple, than: tuple, tolerance: float = 1e-3) -> bool:
     return a <= b * (1.0 + tolerance) and found[2].makespan < than[2].makespan - _EPS
 
 
-def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: int = 48):
+def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: int = 24):
     """Budget auto, second phase: one more layer for the chunks of one stage at a time on a rank at the
     highest peak, longest-lived stages first, kept while the step stays within ``limit``, the rank's peak
     falls and the highest peak does not rise: on every microbatch of the stage, else on every other one
