@@ -8,25 +8,31 @@ the pipeline makespan (dp = 1).
 
 Two parts:
 
-(a) Llama-3-8B (32 layers, h 4096, MLP 14336, vocab 128256, 8 KV heads), H100 preset (21 GB/s host link),
-    pp 4, m 16, seq 4096 and 16384 (``--quick``: 4096 only), for V-Half, V-ZB and Interleaved1F1B: no
-    offload, the whole-chunk policies (selective:0.5, full) and the budgeted layer-by-layer ones (budget =
-    as many layers as hide within 3% step time, budget:auto:0.1 within 10%, fixed shares of each
-    chunk's layers, and budget:no-IW-drop = budget without leaving the device between I and W).
-    Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%.
+(a) Llama-3-8B (32 layers, h 4096, MLP 14336, vocab 128256, 8 KV heads), pp 4, m 16, seq 4096 and 16384,
+    for V-Half, V-ZB and Interleaved1F1B, on the H100 preset (21 GB/s host link), GH200 (NVLink-C2C,
+    450 GB/s) and A100 (15 GB/s) (``--quick``: H100 at seq 4096 only). Without recompute: no offload,
+    the budgeted layer-by-layer policies (budget = as many layers as hide within 3% step time,
+    budget:auto:0.1 within 10%, budget:1 = every layer each chunk's window hides whatever the time: the
+    ceiling the windows set) and on H100 also the whole-chunk policies (selective:0.5, full) and
+    budget:no-IW-drop (budget without leaving the device between I and W).
+    With selective and with full activation recompute (`pp_offload.plan.memory`): alone, and with budget
+    offload within what the recompute leaves of 3% and of 10% (``sel+budget@0.1``).
+    Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%, against no offload and no
+    recompute.
 (b) Llama-3-70B (80 layers, h 8192, MLP 28672), seq 8192, H100, pp 4, 8, 16 (``--quick``: 4, 8), m = 2 pp:
-    V-Half and Interleaved1F1B without offload and with the best policy within +10% step time. Target: that
-    peak stays flat from pp 4 to pp 16. And (a)'s 8B rows on the GH200 preset (NVLink-C2C, 450 GB/s), where
-    offload should be nearly free.
+    V-Half and Interleaved1F1B without offload, with budget, selective recompute alone and with budget
+    offload within what it leaves of 10%: the best within +10% step time. Target: that peak stays flat
+    from pp 4 to pp 16.
 
 Physical bound, printed beside every row that misses a target: cutting a rank's peak by a share X needs
 at least X of the bytes its chunks save to be off the device while they wait (every chunk passes through
 the peak in a steady pipeline), i.e. X x (bytes the rank's chunks save in a step) copied out *and* back,
-while one direction of the host link carries at most step time x bandwidth. ``need/cap`` > 1 means the
+while one direction of the host link carries at most step time x bandwidth (with recompute: the share
+the offload must still cut after the recompute's own). ``need/cap`` > 1 means the
 target is out of reach at that step time, whatever the schedule.
 
-    python bench/bench_offload_scale.py            # both parts (~4 min on 2 busy cores)
-    python bench/bench_offload_scale.py --quick    # seq 4096 and pp 4, 8 only (~1.5 min)
+    python bench/bench_offload_scale.py            # both parts (~8 min on 2 busy cores; 70B pp 16 ~3 min)
+    python bench/bench_offload_scale.py --quick    # H100, seq 4096 and pp 4, 8 only (~1 min)
     python bench/bench_offload_scale.py --from-json bench/results/offload_scale.json
 
 Writes ``offload_scale.json`` and ``offload_scale.png`` to ``bench/results`` (or ``--out DIR``).
@@ -64,7 +70,7 @@ LLAMA_70B = {
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB", "ScheduleInterleaved1F1B")
 SHORT = {"ScheduleVHalf": "V-Half", "ScheduleVZB": "V-ZB", "ScheduleInterleaved1F1B": "Interleaved1F1B"}
 OLD = ("selective:0.5", "full")
-NEW = ("budget", "budget:auto:0.1", "budget:0.25", "budget:0.5", "budget:1", "budget:no-IW-drop")
+NEW = ("budget", "budget:auto:0.1", "budget:1", "budget:no-IW-drop")
 # zero-bubble orders keep a chunk from I to W: the same budget without dropping it in between, to measure
 # what the I-to-W drop buys
 VARIANTS = {"budget:no-IW-drop": {"mode": "budget", "drop_after_i": False}}
@@ -73,6 +79,7 @@ TARGETS = ((0.03, 0.30), (0.10, 0.50))  # (max slowdown, min peak cut)
 RECOMPUTE_POLICIES = ("budget@0.03", "budget@0.1")
 BASE_STEP: dict[tuple, float] = {}  # (machine, seq, pp, schedule) -> step without recompute or offload
 MACHINES_8B = ("H100", "GH200", "A100")
+BUDGETS = ("budget", "budget:auto:0.1")  # the GH200/A100 rows (with budget:1)
 
 
 def evaluate(
@@ -176,15 +183,16 @@ def best_within(rows: list[dict], slowdown: float) -> dict:
     return max(ok, key=lambda r: (r["cut"], -r["step_s"]))
 
 
-def _group(config, *, machine, seq, pp, m, schedule, policies) -> list[dict]:
+def _group(config, *, machine, seq, pp, m, schedule, policies, recompute=None) -> list[dict]:
     """Every recompute mode of one schedule: without recompute under ``policies``, with selective and full
-    recompute alone and with budget offload within what they leave of 3% and 10%."""
+    recompute alone and with budget offload within what they leave of 3% and 10% (``recompute``: mode ->
+    policies, to run fewer)."""
     from pp_offload.plan.machines import resolve_machine
 
     kw = {"machine": machine, "seq": seq, "pp": pp, "m": m, "schedule": schedule}
     rows = evaluate(config, **kw, policies=policies)
-    for recompute in ("selective", "full"):
-        rows += evaluate(config, **kw, policies=RECOMPUTE_POLICIES, recompute=recompute)
+    for mode, more in (recompute or {"selective": RECOMPUTE_POLICIES, "full": RECOMPUTE_POLICIES}).items():
+        rows += evaluate(config, **kw, policies=more, recompute=mode)
     for row in rows:
         row.update(machine=machine, seq=seq, pp=pp)
     return finish(rows, resolve_machine(machine).host_bandwidth)
@@ -195,7 +203,7 @@ def run(quick: bool) -> dict[str, Any]:
     seqs = (4096,) if quick else (4096, 16384)
     for machine in ("H100",) if quick else MACHINES_8B:
         # the H100 rows with every offload policy; the other machines with the budget ones
-        policies = OLD + NEW if machine == "H100" else ("budget", "budget:auto:0.1", "budget:1")
+        policies = OLD + NEW if machine == "H100" else (*BUDGETS, "budget:1")
         for seq in seqs:
             for schedule in SCHEDULES:
                 out["part_a"] += _group(
@@ -204,8 +212,17 @@ def run(quick: bool) -> dict[str, Any]:
                 print(f"  8B {machine} seq {seq} {SHORT[schedule]}: done", file=sys.stderr)
     for pp in (4, 8) if quick else (4, 8, 16):
         for schedule in ("ScheduleVHalf", "ScheduleInterleaved1F1B"):
+            # the best within 10% only: full recompute alone costs +60% (see the 8B rows); budget, not
+            # budget:auto:0.1, to keep the 70B pp 16 replays within minutes (on 8B it reaches 3-4 points less)
             out["part_b"] += _group(
-                LLAMA_70B, machine="H100", seq=8192, pp=pp, m=2 * pp, schedule=schedule, policies=NEW
+                LLAMA_70B,
+                machine="H100",
+                seq=8192,
+                pp=pp,
+                m=2 * pp,
+                schedule=schedule,
+                policies=("budget",),
+                recompute={"selective": ("budget@0.1",), "full": ()},
             )
             print(f"  70B pp {pp} {SHORT[schedule]}: done", file=sys.stderr)
     return out
