@@ -139,6 +139,10 @@ class AutoDecision:
     recompute: str = "none"
     """Activation recompute of the decoder layers the prediction assumes (``"none"``, ``"selective"``,
     ``"full"``): what the recipe's ``train.activation_checkpointing`` must apply."""
+    stage_costs: list[list[float]] | None = None
+    """Per stage, its F, I, W per chunk (ms): what ``choose`` placed offload with (``Costs.stages``). The
+    order is built from ``costs`` alone; ``enable_offload`` places the predicted budget offload only when
+    its costs carry these too (``Costs(**costs, stages=stage_costs)``), else with the scalar costs."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (the recipe broadcasts it from rank 0); `from_dict` inverts it."""
@@ -240,6 +244,7 @@ def choose(
         offload=best.offload,
         memory_limit=best.memory_limit,
         costs=costs_for(measured[best.recompute], best.schedule, num_microbatches=m),
+        stage_costs=[list(x) for x in _setup(measured[best.recompute], best.schedule, m).costs.stages or ()],
         predicted_step_s=float(best.predicted_step_s),
         peak_bytes=list(best.peak_bytes),
         reason=_reason(ranked, budget),
