@@ -215,6 +215,7 @@ def memory_table(quick: bool) -> list[dict[str, Any]]:
                     dtype="bf16",
                     schedules=sorted({s for s, _ in SCHEDULES}),
                     offload=("none", "full"),
+                    recompute="none",  # this table compares LoRA with full fine-tuning, not recompute
                     evaluate_dominated=True,
                     search="fast",
                     suggest=False,

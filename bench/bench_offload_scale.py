@@ -8,25 +8,31 @@ the pipeline makespan (dp = 1).
 
 Two parts:
 
-(a) Llama-3-8B (32 layers, h 4096, MLP 14336, vocab 128256, 8 KV heads), H100 preset (21 GB/s host link),
-    pp 4, m 16, seq 4096 and 16384 (``--quick``: 4096 only), for V-Half, V-ZB and Interleaved1F1B: no
-    offload, the whole-chunk policies (selective:0.5, full) and the budgeted layer-by-layer ones (budget =
-    as many layers as hide within 3% step time, budget:auto:0.1 within 10%, fixed shares of each
-    chunk's layers, and budget:no-IW-drop = budget without leaving the device between I and W).
-    Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%.
+(a) Llama-3-8B (32 layers, h 4096, MLP 14336, vocab 128256, 8 KV heads), pp 4, m 16, seq 4096 and 16384,
+    for V-Half, V-ZB and Interleaved1F1B, on the H100 preset (21 GB/s host link), GH200 (NVLink-C2C,
+    450 GB/s) and A100 (15 GB/s) (``--quick``: H100 at seq 4096 only). Without recompute: no offload,
+    the budgeted layer-by-layer policies (budget = as many layers as hide within 3% step time,
+    budget:auto:0.1 within 10%, budget:1 = every layer each chunk's window hides whatever the time: the
+    ceiling the windows set) and on H100 also the whole-chunk policies (selective:0.5, full) and
+    budget:no-IW-drop (budget without leaving the device between I and W).
+    With selective and with full activation recompute (`pp_offload.plan.memory`): alone, and with budget
+    offload within what the recompute leaves of 3% and of 10% (``sel+budget@0.1``).
+    Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%, against no offload and no
+    recompute.
 (b) Llama-3-70B (80 layers, h 8192, MLP 28672), seq 8192, H100, pp 4, 8, 16 (``--quick``: 4, 8), m = 2 pp:
-    V-Half and Interleaved1F1B without offload and with the best policy within +10% step time. Target: that
-    peak stays flat from pp 4 to pp 16. And (a)'s 8B rows on the GH200 preset (NVLink-C2C, 450 GB/s), where
-    offload should be nearly free.
+    V-Half and Interleaved1F1B without offload, with budget, selective recompute alone and with budget
+    offload within what it leaves of 10%: the best within +10% step time. Target: that peak stays flat
+    from pp 4 to pp 16.
 
 Physical bound, printed beside every row that misses a target: cutting a rank's peak by a share X needs
 at least X of the bytes its chunks save to be off the device while they wait (every chunk passes through
 the peak in a steady pipeline), i.e. X x (bytes the rank's chunks save in a step) copied out *and* back,
-while one direction of the host link carries at most step time x bandwidth. ``need/cap`` > 1 means the
+while one direction of the host link carries at most step time x bandwidth (with recompute: the share
+the offload must still cut after the recompute's own). ``need/cap`` > 1 means the
 target is out of reach at that step time, whatever the schedule.
 
-    python bench/bench_offload_scale.py            # both parts (~4 min on 2 busy cores)
-    python bench/bench_offload_scale.py --quick    # seq 4096 and pp 4, 8 only (~1.5 min)
+    python bench/bench_offload_scale.py            # both parts (~8 min on 2 busy cores; 70B pp 16 ~3 min)
+    python bench/bench_offload_scale.py --quick    # H100, seq 4096 and pp 4, 8 only (~1 min)
     python bench/bench_offload_scale.py --from-json bench/results/offload_scale.json
 
 Writes ``offload_scale.json`` and ``offload_scale.png`` to ``bench/results`` (or ``--out DIR``).
@@ -64,15 +70,24 @@ LLAMA_70B = {
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB", "ScheduleInterleaved1F1B")
 SHORT = {"ScheduleVHalf": "V-Half", "ScheduleVZB": "V-ZB", "ScheduleInterleaved1F1B": "Interleaved1F1B"}
 OLD = ("selective:0.5", "full")
-NEW = ("budget", "budget:auto:0.1", "budget:0.25", "budget:0.5", "budget:1", "budget:no-IW-drop")
+NEW = ("budget", "budget:auto:0.1", "budget:1", "budget:no-IW-drop")
 # zero-bubble orders keep a chunk from I to W: the same budget without dropping it in between, to measure
 # what the I-to-W drop buys
 VARIANTS = {"budget:no-IW-drop": {"mode": "budget", "drop_after_i": False}}
 TARGETS = ((0.03, 0.30), (0.10, 0.50))  # (max slowdown, min peak cut)
+# with recompute: none, then budget offload within what the recompute leaves of 3% and of 10%
+RECOMPUTE_POLICIES = ("budget@0.03", "budget@0.1")
+BASE_STEP: dict[tuple, float] = {}  # (machine, seq, pp, schedule) -> step without recompute or offload
+MACHINES_8B = ("H100", "GH200", "A100")
+BUDGETS = ("budget", "budget:auto:0.1")  # the GH200/A100 rows (with budget:1)
 
 
-def evaluate(config: dict, *, machine: str, seq: int, pp: int, m: int, schedule: str, policies) -> list[dict]:
-    """One schedule under every policy: step time, activation peak, bytes moved, the link bound."""
+def evaluate(
+    config: dict, *, machine: str, seq: int, pp: int, m: int, schedule: str, policies, recompute: str = "none"
+) -> list[dict]:
+    """One schedule with one recompute mode under every policy: step time, activation peak, bytes moved.
+    A policy ``"budget@X"`` is budget offload within a step ``X`` slower than ``base_step_s`` (the
+    schedule without recompute or offload: the caller's), i.e. what is left of X after the recompute."""
     from pp_offload.plan.evaluate import (
         build_orders,
         combine,
@@ -98,6 +113,7 @@ def evaluate(config: dict, *, machine: str, seq: int, pp: int, m: int, schedule:
         dp_shard=False,
         virtual_stages=2,
         reserve=0,
+        recompute=recompute,
     )
     sizes = simulation_sizes(pp, m)
     orders = build_orders(setup, sizes, search="auto", virtual_stages=2)
@@ -108,28 +124,56 @@ def evaluate(config: dict, *, machine: str, seq: int, pp: int, m: int, schedule:
         m * sum(setup.stages[s].activation.saved for s in setup.layout.stages_of(r)) for r in range(pp)
     )
     rows = []
+    plain_step = None
     for policy in ("none", *policies):
         start = time.perf_counter()
-        summary = combine(evaluate_orders(setup, orders, VARIANTS.get(policy, policy)), m)
+        spec = VARIANTS.get(policy, policy)
+        if isinstance(spec, str) and spec.startswith("budget@"):  # room left to a total slowdown
+            total = float(spec.split("@")[1])
+            room = (1.0 + total) * BASE_STEP[(machine, seq, pp, schedule)] / plain_step - 1.0
+            if room <= 0:
+                continue  # the recompute alone costs more than the total
+            spec = {"mode": "budget", "max_slowdown": room}
+        summary = combine(evaluate_orders(setup, orders, spec), m)
+        if policy == "none":
+            plain_step = summary["makespan"]
+            if recompute == "none":
+                BASE_STEP[(machine, seq, pp, schedule)] = plain_step
         rows.append(
             {
                 "schedule": SHORT.get(schedule, schedule),
+                "recompute": recompute,
                 "policy": policy,
                 "step_s": summary["makespan"],
                 "activation_gib": max(summary["activation"]) / GIB,
+                "activation_per_rank_gib": [a / GIB for a in summary["activation"]],
                 "moved_share": summary["moved_share"],
                 "chunks_share": summary["offloaded_share"],
                 "rank_saved_gib": rank_saved / GIB,
                 "plan_seconds": time.perf_counter() - start,
             }
         )
+    return rows
+
+
+def finish(rows: list[dict], host_bandwidth: float) -> list[dict]:
+    """Slowdown and cut against the first row (no recompute, no offload) and the link bound of each row:
+    the share of the row's saved bytes its offload must still move for each target cut (after what its
+    recompute already cut), over what one direction of the link carries in the row's step."""
     base = rows[0]
+    plain = {r["recompute"]: r for r in rows if r["policy"] == "none"}
     for row in rows:
         row["slowdown"] = row["step_s"] / base["step_s"] - 1.0
         row["cut"] = 1.0 - row["activation_gib"] / base["activation_gib"]
-        cap = row["step_s"] * mach.host_bandwidth / GIB  # GiB one direction of the link carries in the step
+        cap = row["step_s"] * host_bandwidth / GIB  # GiB one direction of the link carries in the step
         row["link_capacity_gib"] = cap
-        row["need_ratio"] = {f"{cut:.0%}": cut * row["rank_saved_gib"] / cap for _, cut in TARGETS}
+        own = plain[row["recompute"]]["activation_gib"]
+        row["need_ratio"] = {
+            f"{cut:.0%}": max(0.0, 1.0 - (1.0 - cut) * base["activation_gib"] / own)
+            * row["rank_saved_gib"]
+            / cap
+            for _, cut in TARGETS
+        }
     return rows
 
 
@@ -139,81 +183,139 @@ def best_within(rows: list[dict], slowdown: float) -> dict:
     return max(ok, key=lambda r: (r["cut"], -r["step_s"]))
 
 
+def _group(config, *, machine, seq, pp, m, schedule, policies, recompute=None) -> list[dict]:
+    """Every recompute mode of one schedule: without recompute under ``policies``, with selective and full
+    recompute alone and with budget offload within what they leave of 3% and 10% (``recompute``: mode ->
+    policies, to run fewer)."""
+    from pp_offload.plan.machines import resolve_machine
+
+    kw = {"machine": machine, "seq": seq, "pp": pp, "m": m, "schedule": schedule}
+    rows = evaluate(config, **kw, policies=policies)
+    for mode, more in (recompute or {"selective": RECOMPUTE_POLICIES, "full": RECOMPUTE_POLICIES}).items():
+        rows += evaluate(config, **kw, policies=more, recompute=mode)
+    for row in rows:
+        row.update(machine=machine, seq=seq, pp=pp)
+    return finish(rows, resolve_machine(machine).host_bandwidth)
+
+
 def run(quick: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"part_a": [], "part_b": [], "part_gh200": []}
+    out: dict[str, Any] = {"part_a": [], "part_b": []}
     seqs = (4096,) if quick else (4096, 16384)
-    for seq in seqs:
-        for schedule in SCHEDULES:
-            rows = evaluate(
-                LLAMA_8B, machine="H100", seq=seq, pp=4, m=16, schedule=schedule, policies=OLD + NEW
-            )
-            for row in rows:
-                row["seq"] = seq
-            out["part_a"] += rows
-            print(f"  8B seq {seq} {SHORT[schedule]}: done", file=sys.stderr)
-    for schedule in SCHEDULES:
-        rows = evaluate(
-            LLAMA_8B, machine="GH200", seq=4096, pp=4, m=16, schedule=schedule, policies=OLD + NEW
-        )
-        for row in rows:
-            row["seq"] = 4096
-        out["part_gh200"] += rows
+    for machine in ("H100",) if quick else MACHINES_8B:
+        # the H100 rows with every offload policy; the other machines with the budget ones
+        policies = OLD + NEW if machine == "H100" else (*BUDGETS, "budget:1")
+        for seq in seqs:
+            for schedule in SCHEDULES:
+                out["part_a"] += _group(
+                    LLAMA_8B, machine=machine, seq=seq, pp=4, m=16, schedule=schedule, policies=policies
+                )
+                print(f"  8B {machine} seq {seq} {SHORT[schedule]}: done", file=sys.stderr)
     for pp in (4, 8) if quick else (4, 8, 16):
         for schedule in ("ScheduleVHalf", "ScheduleInterleaved1F1B"):
-            rows = evaluate(
-                LLAMA_70B, machine="H100", seq=8192, pp=pp, m=2 * pp, schedule=schedule, policies=NEW
+            # the best within 10% only: full recompute alone costs +60% (see the 8B rows); budget, not
+            # budget:auto:0.1, to keep the 70B pp 16 replays within minutes (on 8B it reaches 3-4 points less)
+            out["part_b"] += _group(
+                LLAMA_70B,
+                machine="H100",
+                seq=8192,
+                pp=pp,
+                m=2 * pp,
+                schedule=schedule,
+                policies=("budget",),
+                recompute={"selective": ("budget@0.1",), "full": ()},
             )
-            for row in rows:
-                row["pp"] = pp
-            out["part_b"] += rows
             print(f"  70B pp {pp} {SHORT[schedule]}: done", file=sys.stderr)
     return out
+
+
+def _name(r: dict) -> str:
+    """A row's policy as one label: offload policy, with the recompute mode when there is one."""
+    if r["recompute"] == "none":
+        return r["policy"]
+    rc = {"selective": "sel", "full": "full"}[r["recompute"]]
+    return f"{rc}-recompute" if r["policy"] == "none" else f"{rc}+{r['policy']}"
 
 
 def _row_text(r: dict) -> str:
     need = " ".join(f"{k}:{v:.2f}" for k, v in r["need_ratio"].items())
     return (
-        f"{r['policy']:<17}{r['activation_gib']:>8.1f}{100 * r['cut']:>7.1f}%{1e3 * r['step_s']:>9.0f}"
+        f"{_name(r):<22}{r['activation_gib']:>8.1f}{100 * r['cut']:>7.1f}%{1e3 * r['step_s']:>9.0f}"
         f"{100 * r['slowdown']:>+8.1f}%{100 * r['moved_share']:>8.1f}%{r['link_capacity_gib']:>9.1f}"
         f"{r['rank_saved_gib']:>10.1f}  {need}"
     )
 
 
+def _verdicts(rows: list[dict]) -> list[tuple[float, float, dict, bool]]:
+    """Per target (max slowdown, min cut): the best row within the slowdown and whether it meets the cut."""
+    out = []
+    for slowdown, cut in TARGETS:
+        best = best_within(rows, slowdown)
+        out.append((slowdown, cut, best, best["cut"] >= cut - 1e-9))
+    return out
+
+
+def _bound_text(rows: list[dict], best: dict, cut: float) -> str:
+    """Why a target is missed: the link bound of the best row without recompute, and the windows' ceiling
+    (budget:1, every layer each chunk's window hides, whatever the time) where it was run."""
+    plain = (
+        best
+        if best["recompute"] == "none"
+        else best_within([r for r in rows if r["recompute"] == "none"], best["slowdown"] + 1e-9)
+    )
+    key = f"{cut:.0%}"
+    text = (
+        f"bound: without recompute a {cut:.0%} cut moves {cut * plain['rank_saved_gib']:.1f} GiB each way, "
+        f"the link carries {plain['link_capacity_gib']:.1f} GiB per direction in the step (need/cap "
+        f"{plain['need_ratio'][key]:.2f})"
+    )
+    ceiling = [r for r in rows if r["recompute"] == "none" and r["policy"] == "budget:1"]
+    if ceiling:
+        c = ceiling[0]
+        text += f"; windows' ceiling (budget:1) {100 * c['cut']:.1f}% at {100 * c['slowdown']:+.1f}%"
+    return text
+
+
 def report(out: dict[str, Any]) -> str:
     lines = []
     head = (
-        f"{'policy':<17}{'act GiB':>8}{'cut':>8}{'step ms':>9}{'slower':>9}{'moved':>9}{'cap GiB':>9}"
+        f"{'policy':<22}{'act GiB':>8}{'cut':>8}{'step ms':>9}{'slower':>9}{'moved':>9}{'cap GiB':>9}"
         f"{'saved GiB':>10}  need/cap for a 30% / 50% cut"
     )
-    for part, title in (("part_a", "H100"), ("part_gh200", "GH200")):
-        groups: dict[tuple, list[dict]] = {}
-        for r in out[part]:
-            groups.setdefault((r["seq"], r["schedule"]), []).append(r)
-        for (seq, schedule), rows in groups.items():
-            lines.append(f"\nLlama-3-8B, {title}, pp 4, m 16, seq {seq}, {schedule}")
-            lines += [head, "-" * len(head)]
-            lines += [_row_text(r) for r in rows]
-            for slowdown, cut in TARGETS:
-                best = best_within(rows, slowdown)
-                verdict = "MET" if best["cut"] >= cut else "missed"
-                need = best["need_ratio"][f"{cut:.0%}"]
-                bound = (
-                    f"; bound: a {cut:.0%} cut moves {cut * best['rank_saved_gib']:.1f} GiB each way, the "
-                    f"link carries {best['link_capacity_gib']:.1f} GiB per direction in the step "
-                    f"(need/cap {need:.2f})"
-                    if verdict == "missed"
-                    else ""
-                )
-                lines.append(
-                    f"target cut >= {cut:.0%} at <= +{slowdown:.0%}: best {best['policy']} cuts "
-                    f"{100 * best['cut']:.1f}% at {100 * best['slowdown']:+.1f}% -> {verdict}{bound}"
-                )
+    groups: dict[tuple, list[dict]] = {}
+    for r in out["part_a"]:
+        groups.setdefault((r["machine"], r["seq"], r["schedule"]), []).append(r)
+    summary = []
+    for (machine, seq, schedule), rows in groups.items():
+        lines.append(f"\nLlama-3-8B, {machine}, pp 4, m 16, seq {seq}, {schedule}")
+        lines += [head, "-" * len(head)]
+        lines += [_row_text(r) for r in rows]
+        for slowdown, cut, best, met in _verdicts(rows):
+            verdict = "MET" if met else "missed"
+            bound = "" if met else "; " + _bound_text(rows, best, cut)
+            lines.append(
+                f"target cut >= {cut:.0%} at <= +{slowdown:.0%}: best {_name(best)} cuts "
+                f"{100 * best['cut']:.1f}% at {100 * best['slowdown']:+.1f}% -> {verdict}{bound}"
+            )
+            summary.append((machine, seq, schedule, slowdown, cut, best, met))
+    lines.append(
+        "\nSummary, Llama-3-8B, pp 4, m 16: best within each target's step time (any offload/recompute)"
+    )
+    head2 = (
+        f"{'machine':<7}{'seq':>6}  {'schedule':<16}{'target':>14}  {'best':<24}{'cut':>7}{'slower':>8}"
+        "  verdict"
+    )
+    lines += [head2, "-" * len(head2)]
+    for machine, seq, schedule, slowdown, cut, best, met in summary:
+        lines.append(
+            f"{machine:<7}{seq:>6}  {schedule:<16}{f'{cut:.0%} @ +{slowdown:.0%}':>14}  {_name(best):<24}"
+            f"{100 * best['cut']:>6.1f}%{100 * best['slowdown']:>+7.1f}%  {'MET' if met else 'missed'}"
+        )
     lines.append(
         "\nLlama-3-70B, H100, seq 8192, m = 2 pp: activation peak per rank (GiB), none vs best within +10%"
     )
     head = (
-        f"{'schedule':<17}{'pp':>4}{'none':>8}{'best':>8}{'policy':>18}{'slower':>9}{'cut':>8}"
-        f"{'need/cap 50%':>14}"
+        f"{'schedule':<17}{'pp':>4}{'none':>8}{'best':>8}{'policy':>24}{'slower':>9}{'cut':>8}"
+        f"{'need/cap 50%':>14}  best without recompute"
     )
     lines += [head, "-" * len(head)]
     groups = {}
@@ -221,16 +323,20 @@ def report(out: dict[str, Any]) -> str:
         groups.setdefault((r["schedule"], r["pp"]), []).append(r)
     for (schedule, pp), rows in groups.items():
         best = best_within(rows, 0.10)
+        plain = best_within([r for r in rows if r["recompute"] == "none"], 0.10)
         lines.append(
             f"{schedule:<17}{pp:>4}{rows[0]['activation_gib']:>8.1f}{best['activation_gib']:>8.1f}"
-            f"{best['policy']:>18}{100 * best['slowdown']:>+8.1f}%{100 * best['cut']:>7.1f}%"
-            f"{best['need_ratio']['50%']:>14.2f}"
+            f"{_name(best):>24}{100 * best['slowdown']:>+8.1f}%{100 * best['cut']:>7.1f}%"
+            f"{best['need_ratio']['50%']:>14.2f}  {plain['activation_gib']:.1f} GiB ({_name(plain)}, "
+            f"{100 * plain['slowdown']:+.1f}%)"
         )
     lines.append(
-        "\ncolumns: cut = 1 - peak / peak without offload; slower = step time vs without offload; moved = "
-        "share of the step's saved bytes copied out (and back); cap = GiB one direction of the host link "
-        "carries in the step; saved = GiB the busiest rank's chunks save in the step; need/cap = (cut x "
-        "saved) / cap"
+        "\ncolumns: cut = 1 - peak / peak without offload or recompute; slower = step time vs the same; "
+        "sel/full = selective/full activation recompute, +budget@X = budget offload within what the "
+        "recompute leaves of a total slowdown X; moved = share of the step's saved bytes copied out (and "
+        "back); cap = GiB one direction of the host link carries in the step; saved = GiB the busiest "
+        "rank's chunks save in the step (after recompute); need/cap = (share of saved bytes the offload "
+        "must still move for the cut, after the recompute's own cut) x saved / cap"
     )
     return "\n".join(lines)
 
@@ -243,42 +349,39 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     seqs = sorted({r["seq"] for r in out["part_a"]})
     fig, axes = plt.subplots(1, len(seqs) + 1, figsize=(6 * (len(seqs) + 1), 5))
-    markers = {"none": "o", "selective:0.5": "s", "full": "X"}
+    markers = {"none": "o", "selective": "s", "full": "X"}
     for ax, seq in zip(axes, seqs, strict=False):
         for schedule in SHORT.values():
-            rows = [r for r in out["part_a"] if r["seq"] == seq and r["schedule"] == schedule]
+            rows = [
+                r
+                for r in out["part_a"]
+                if r["seq"] == seq and r["schedule"] == schedule and r["machine"] == "H100"
+            ]
             if not rows:
                 continue
-            line = ax.plot(
-                [
-                    100 * r["slowdown"]
-                    for r in rows
-                    if r["policy"].startswith("budget") or r["policy"] == "none"
-                ],
-                [
-                    r["activation_gib"]
-                    for r in rows
-                    if r["policy"].startswith("budget") or r["policy"] == "none"
-                ],
-                ".",
-                label=f"{schedule} none / budget",
-            )[0]
-            for r in rows:
-                if r["policy"] in markers:
-                    ax.scatter(
-                        100 * r["slowdown"],
-                        r["activation_gib"],
-                        marker=markers[r["policy"]],
-                        color=line.get_color(),
-                        s=40,
-                    )
-        ax.set_xlim(-2, 50)  # policies costing more than +50% are off the chart (see the table)
+            colour = None
+            for recompute, marker in markers.items():
+                mine = [r for r in rows if r["recompute"] == recompute]
+                if not mine:
+                    continue
+                pts = ax.scatter(
+                    [100 * r["slowdown"] for r in mine],
+                    [r["activation_gib"] for r in mine],
+                    marker=marker,
+                    color=colour,
+                    s=30,
+                    label=f"{schedule}, recompute {recompute}",
+                )
+                colour = pts.get_facecolor()[0]
+        ax.set_xlim(-2, 80)  # full recompute and costlier policies beyond are in the table
         ax.axvline(3, color="grey", ls=":")
         ax.axvline(10, color="grey", ls="--")
-        ax.set_xlabel("step time vs no offload (%)")
+        ax.set_xlabel("step time vs no offload, no recompute (%)")
         ax.set_ylabel("activation peak per rank (GiB)")
-        ax.set_title(f"Llama-3-8B, H100, pp 4, m 16, seq {seq}\n(squares: selective:0.5, crosses: full)")
-        ax.legend(fontsize=8)
+        ax.set_title(
+            f"Llama-3-8B, H100, pp 4, m 16, seq {seq}\n(circles: no recompute; squares: selective; X: full)"
+        )
+        ax.legend(fontsize=6)
     ax = axes[-1]
     for schedule in ("V-Half", "Interleaved1F1B"):
         pps = sorted({r["pp"] for r in out["part_b"] if r["schedule"] == schedule})
@@ -286,19 +389,20 @@ def plot(out: dict[str, Any], path: Path) -> None:
             next(r for r in out["part_b"] if r["schedule"] == schedule and r["pp"] == p)["activation_gib"]
             for p in pps
         ]
-        best = [
-            best_within([r for r in out["part_b"] if r["schedule"] == schedule and r["pp"] == p], 0.10)[
-                "activation_gib"
-            ]
+        group = {p: [r for r in out["part_b"] if r["schedule"] == schedule and r["pp"] == p] for p in pps}
+        best = [best_within(group[p], 0.10)["activation_gib"] for p in pps]
+        plain = [
+            best_within([r for r in group[p] if r["recompute"] == "none"], 0.10)["activation_gib"]
             for p in pps
         ]
         line = ax.plot(pps, none, "o-", label=f"{schedule} none")[0]
-        ax.plot(pps, best, "s--", color=line.get_color(), label=f"{schedule} best within +10%")
+        ax.plot(pps, plain, "^:", color=line.get_color(), label=f"{schedule} best offload within +10%")
+        ax.plot(pps, best, "s--", color=line.get_color(), label=f"{schedule} best with recompute within +10%")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("pp")
     ax.set_ylabel("activation peak per rank (GiB)")
     ax.set_title("Llama-3-70B, H100, seq 8192, m = 2 pp")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

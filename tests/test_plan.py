@@ -304,6 +304,7 @@ def test_plan_ranks_fits_first_then_time():
         reserve_gib=0.0,
         evaluate_dominated=True,
         offload=WHOLE_CHUNK,
+        recompute="none",
     )
     evaluated = [c for c in result.candidates if c.evaluated]
     assert len(evaluated) == 9 * 4 - 3  # Schedule1F1B (single-stage) gets no offload rows
@@ -331,6 +332,7 @@ def test_plan_ranks_fits_first_then_time():
         gpu_memory_gib=0.98,
         reserve_gib=0.0,
         evaluate_dominated=True,
+        recompute="none",
     )
     fastest = roomier.recommended
     assert fastest.fits and fastest.offload != "none"
@@ -393,6 +395,7 @@ def test_plan_activation_ordering_and_ratios():
         machine="A100",
         offload=("none",),
         schedules=("ScheduleVMin", "ScheduleVHalf", "ScheduleVZB", "Schedule1F1B"),
+        recompute="none",
     )
     units = {c.schedule: c.peak_unit for c in result.candidates}
     assert units == {"ScheduleVMin": 8, "ScheduleVHalf": 10, "ScheduleVZB": 16, "Schedule1F1B": 16}
@@ -435,6 +438,7 @@ def test_adaptive_limit_is_chosen_to_fit():
         "machine": "A100",
         "reserve_gib": 0.0,
         "offload": ("none",),
+        "recompute": "none",
     }
     roomy = plan(SMALL_LLAMA, **kw, schedules=("ScheduleVAdaptive", "ScheduleVZB"))
     assert roomy.candidate("ScheduleVAdaptive").memory_limit == 1.0
@@ -556,7 +560,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert "recommended:" in text and "ScheduleVHalf" in text and "fits" in text
     assert png.stat().st_size > 10_000
     data = json.loads(out.read_text())
-    assert data["recommended"] and len(data["candidates"]) == 9 * 6  # skipped rows listed too
+    assert data["recommended"] and len(data["candidates"]) == 9 * 6 * 3  # skipped rows listed too
     assert data["settings"]["pp"] == 2 and data["settings"]["gpu_memory_gib"] == 4
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -404,6 +404,7 @@ def plan_offload(
     *,
     layers: int | Sequence[int] | Mapping[int, int] | None = None,
     layer_copy: float | Sequence[float] | Mapping[int, float] | None = None,
+    peaks: Callable[[SimResult, Mapping[tuple[int, int], LayeredChunk]], Mapping[int, float]] | None = None,
 ) -> OffloadPlan:
     """Choose the chunks to offload in ``order`` and insert their OFFLOAD/RELOAD actions.
 
@@ -420,8 +421,10 @@ def plan_offload(
 
     Budget mode (layer by layer, module doc) needs ``layers``: the number of layers of every stage (one
     int for all, or per stage index); ``layer_copy``: one layer's one-way copy time in cost units (one
-    number or per stage; default: the chunk's ``costs.transfer`` share of one layer). Whole-chunk modes
-    ignore both, so a caller can pass them whatever the policy.
+    number or per stage; default: the chunk's ``costs.transfer`` share of one layer); ``peaks``: the
+    per-rank peak the budget lowers, from a replay and its layered chunks (the planner passes the peak
+    in bytes, with each stage's real bytes; default: the simulator's chunk units, in which every chunk
+    weighs the same). Whole-chunk modes ignore all three, so a caller can pass them whatever the policy.
     """
     compute = _compute_order(order)
     costs = Costs.coerce(costs)
@@ -430,7 +433,15 @@ def plan_offload(
     if not policy.enabled:
         return OffloadPlan(compute, offloaded, policy, simulate(compute, costs, copy_lanes=policy.lanes))
     if policy.mode == "budget":
-        return _plan_budget(compute, costs, policy, layers, layer_copy)
+        plan = _plan_budget(compute, costs, policy, layers, layer_copy, peaks)
+        if policy.fraction is None and policy.max_slowdown > _DEFAULT_MAX_SLOWDOWN:
+            # the search is greedy: a looser limit can end at the same peak for more time than the default
+            # one reaches; never return worse than the default limit's plan
+            strict = replace(policy, max_slowdown=_DEFAULT_MAX_SLOWDOWN)
+            other = _plan_budget(compute, costs, strict, layers, layer_copy, peaks)
+            if _plan_lower(other, plan, peaks):
+                plan = replace(other, policy=policy)
+        return plan
 
     base = simulate(compute, costs)
     num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
@@ -492,7 +503,9 @@ def _per_stage(value: Any, num_stages: int, name: str, *, integer: bool) -> list
     return values
 
 
-def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_copy) -> OffloadPlan:
+def _plan_budget(
+    compute, costs: Costs, policy: OffloadPolicy, layers, layer_copy, peaks_of=None
+) -> OffloadPlan:
     """Budget mode: every chunk moves its earliest layers, as many as ``policy`` allows (module doc)."""
     num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
     counts = _per_stage(layers, num_stages, "layers", integer=True)
@@ -523,7 +536,9 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
             mine.append(c)
         chunks[rank] = mine
 
-    def attempt(cap: int | None, drop_after_i: bool, extra: Mapping[int, int] | None = None) -> tuple:
+    def attempt(
+        cap: int | None, drop_after_i: bool, extra: Mapping[tuple[int, int], int] | None = None
+    ) -> tuple:
         extra = extra or {}
         moved: dict[tuple[int, int], LayeredChunk] = {}
         reloads: dict[int, dict[tuple[int, int], _Chunk]] = {}
@@ -534,8 +549,8 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
                     c.moved = min(c.fit, math.floor(policy.fraction * c.layers + 0.5))
                 else:
                     c.moved = min(cap, c.fit)
-                    if c.moved > 0:  # a stage's extra layers go to chunks whose window hides one at least
-                        c.moved = min(c.layers, c.moved + extra.get(c.key[0], 0))
+                    if c.moved > 0:  # extra layers (or fewer) go to chunks whose window hides one at least
+                        c.moved = max(0, min(c.layers, c.moved + extra.get((c.key[0], c.key[1] % 2), 0)))
                 if c.moved == 0:
                     continue
                 moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copy)
@@ -551,66 +566,147 @@ def _plan_budget(compute, costs: Costs, policy: OffloadPolicy, layers, layer_cop
                 planned = _insert(compute, reloads)
                 result = simulate(planned, costs, copy_lanes=policy.lanes, layered=moved)
         offloaded = {r: sorted(reloads[r], key=lambda k: (-moved[k].moved, k)) for r in compute}
-        return planned, offloaded, result, moved
+        peaks = dict(result.peak_memory) if peaks_of is None else dict(peaks_of(result, moved))
+        return planned, offloaded, result, moved, peaks
 
     if policy.fraction is not None:
-        planned, offloaded, result, moved = attempt(None, policy.drop_after_i)
+        planned, offloaded, result, moved, _ = attempt(None, policy.drop_after_i)
         return OffloadPlan(planned, offloaded, policy, result, moved)
     limit = base.makespan * (1.0 + policy.max_slowdown) + _EPS
     top = max((c.fit for mine in chunks.values() for c in mine), default=0)
     best = None
+    halves: list[tuple] = []  # every-other-microbatch starts within the limit
     # per setting of drop_after_i (its second reloads compete for the host->device lane), bisection on
     # the cap of layers per chunk: the largest cap within the slowdown; the lower peak of the two wins
     setting = None
+    stages = {c.key[0] for mine in chunks.values() for c in mine}
     for drop in (False, True) if policy.drop_after_i else (False,):
+        tried = set()
         low, high = 1, top
         while low <= high:
             mid = (low + high) // 2
+            tried.add(mid)
             found = attempt(mid, drop)
             if found[2].makespan <= limit:
                 low = mid + 1
-                if best is None or (found[2].peak, found[2].makespan) < (best[2].peak, best[2].makespan):
-                    best, setting = found, (mid, drop)
+                if best is None or _lower(found, best):
+                    best, setting = found, (mid, drop, {})
             else:
                 high = mid - 1
+        # the smallest settings too, since a larger cap may lower the peak no further for more time:
+        # one layer per chunk, and one layer on every other microbatch (when one per chunk is already
+        # too much for the copy lanes)
+        half = {(s, 1): -1 for s in stages}
+        for cap, extra in ((1, {}), (1, half)) if top >= 1 else ():
+            if extra or cap not in tried:
+                found = attempt(cap, drop, extra)
+                if found[2].makespan <= limit:
+                    if extra:
+                        halves.append((found, (cap, drop, extra)))
+                    if best is None or _lower(found, best):
+                        best, setting = found, (cap, drop, extra)
     if best is not None:
-        best = _raise_peak_stages(attempt, best, setting, chunks, limit)
+        # second phase from the best first-phase setting and from the every-other-microbatch ones: adding
+        # layers where the peak is can beat a uniform cap that reached the same peak at more cost
+        raised = [_raise_peak_stages(attempt, best, setting, chunks, limit)]
+        others = [(f, st) for f, st in halves if st != setting]
+        if others:  # the best every-other-microbatch start only, with fewer tries (each one is a replay)
+            start = others[0]
+            for f, st in others[1:]:
+                if _lower(f, start[0]):
+                    start = (f, st)
+            raised.append(_raise_peak_stages(attempt, *start, chunks, limit, max_tries=8))
+        best = raised[0]
+        for found in raised[1:]:
+            if _lower(found, best):
+                best = found
     if best is None:
         return OffloadPlan(
             compute, {r: [] for r in compute}, policy, simulate(compute, costs, copy_lanes=policy.lanes)
         )
-    planned, offloaded, result, moved = best
+    planned, offloaded, result, moved, _ = best
     return OffloadPlan(planned, offloaded, policy, result, moved)
 
 
+def _plan_lower(plan: OffloadPlan, than: OffloadPlan, peaks_of) -> bool:
+    """`_lower` for two budget plans (their peaks from ``peaks_of``, else the simulator's chunk units)."""
+
+    def key(p: OffloadPlan) -> tuple:
+        found = dict(p.sim.peak_memory) if peaks_of is None else dict(peaks_of(p.sim, p.layered))
+        return (None, None, p.sim, None, found)
+
+    return _lower(key(plan), key(than))
+
+
+def _lower(found: tuple, than: tuple, tolerance: float = 1e-3) -> bool:
+    """Whether budget attempt ``found`` beats ``than``: a highest peak lower by more than ``tolerance``
+    (relative), or the same peak within it in less time. Why the tolerance: the peaks are in bytes, and a
+    larger cap can shave a few bytes off the peak for several percent more step time."""
+    a, b = max(found[4].values()), max(than[4].values())
+    if a < b * (1.0 - tolerance):
+        return True
+    return a <= b * (1.0 + tolerance) and found[2].makespan < than[2].makespan - _EPS
+
+
 def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: int = 24):
-    """Budget auto, second phase: one more layer for every chunk of one stage at a time, on the rank whose
-    peak is highest, longest-lived stages first, kept while the step stays within ``limit`` and the highest
-    peak falls. Why: copy lanes carry a fixed number of layers per step; a uniform cap spends them on
-    every chunk alike, while the peak sits on one rank and the long-lived chunks there gain most."""
-    cap, drop = setting
-    extra: dict[int, int] = {}
+    """Budget auto, second phase: one more layer for the chunks of one stage at a time on a rank at the
+    highest peak, longest-lived stages first, kept while the step stays within ``limit``, the rank's peak
+    falls and the highest peak does not rise: on every microbatch of the stage, else on every other one
+    (even, then odd microbatches).
+    A rank whose chunks' windows hide no more (the V's turn, where F and B follow each other closely)
+    stops the search once it holds the highest peak (``peaks``: in bytes when the caller gives them).
+
+    Why: copy lanes carry a fixed number of layers per step; a uniform cap spends them on every chunk
+    alike, while the peak sits on one rank and the long-lived chunks there gain most. Why every other
+    microbatch: at real sizes one layer's copy takes several layers' compute (k of 4-7), so one more
+    layer on every chunk of a stage can take the copy lanes from half busy to saturated; on half the
+    chunks it lowers the peak by about half as much for half the traffic, the granularity between."""
+    cap, drop, extra = setting
     lifespans: dict[int, dict[int, list[float]]] = {}
     for rank, mine in chunks.items():
         for c in mine:
             lifespans.setdefault(rank, {}).setdefault(c.key[0], []).append(c.lifespan)
     tries = 0
     improved = True
+    stuck: set[int] = set()
+    chosen = best  # returned: the lowest highest peak seen (a tie lowered on one rank costs time for nothing)
     while improved and tries < max_tries:
         improved = False
-        sim = best[2]
-        rank = max(sim.peak_memory, key=lambda r: sim.peak_memory[r])
-        stages = sorted(lifespans.get(rank, {}).items(), key=lambda kv: -sum(kv[1]) / len(kv[1]))
-        for stage, _ in stages:
-            if tries >= max_tries:
+        peaks = best[4]
+        top = max(peaks.values())
+        # the ranks at the highest peak (within 2%: a tie in all but rounding); lowering another costs
+        # copy-lane time and lowers nothing that counts
+        for rank in sorted((r for r in peaks if peaks[r] >= 0.98 * top), key=lambda r: -peaks[r]):
+            if rank in stuck:
+                continue
+            stages = sorted(lifespans.get(rank, {}).items(), key=lambda kv: -sum(kv[1]) / len(kv[1]))
+            for keys in [
+                parities
+                for stage, _ in stages
+                for parities in (((stage, 0), (stage, 1)), ((stage, 0),), ((stage, 1),))
+            ]:
+                if tries >= max_tries:
+                    break
+                tries += 1
+                trial = dict(extra)
+                for key in keys:
+                    trial[key] = trial.get(key, 0) + 1
+                found = attempt(cap, drop, trial)
+                new = found[4]
+                # this rank's peak falls and no other's rises above the highest
+                if (
+                    found[2].makespan <= limit
+                    and max(new.values()) <= top + _EPS
+                    and new[rank] < peaks[rank] - _EPS
+                ):
+                    best, extra, improved = found, trial, True
+                    if _lower(found, chosen):
+                        chosen = found
+                    break
+            if improved:
                 break
-            tries += 1
-            trial = {**extra, stage: extra.get(stage, 0) + 1}
-            found = attempt(cap, drop, trial)
-            if found[2].makespan <= limit and (found[2].peak, found[2].makespan) < (sim.peak, sim.makespan):
-                best, extra, improved = found, trial, True
-                break
-    return best
+            stuck.add(rank)  # nothing of this rank helped: not retried after other ranks' changes
+    return chosen
 
 
 def _offload_end(c: _Chunk, k: int) -> float:

@@ -1,10 +1,12 @@
-"""The planner: pick a pipeline schedule and an offload policy for a model on a machine.
+"""The planner: pick a pipeline schedule, an offload policy and an activation recompute mode for a model on
+a machine.
 
     from pp_offload import plan
     result = plan("path/to/config.json", seq_len=4096, microbatch_size=1, num_microbatches=64, pp=8,
                   machine="H100")
     print(result.table())           # ranked: step time, bubble, memory per rank, fits
     result.recommended              # the fastest candidate that fits, result.reason says why
+    result.recompute                # its activation recompute mode: none, selective or full
 
 Command line: ``pp-offload plan --model PATH_OR_ID --seq-len 4096 --microbatches 64 --pp 8``.
 Modules, one job each: `model` (config -> numbers), `memory` (bytes), `costs` (seconds), `split` (layers

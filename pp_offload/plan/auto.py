@@ -25,6 +25,14 @@ each rank's device-resident saved bytes in a replay with each stage's measured b
 synchronous (CPU), the busiest rank's copy time is added to the step time: the simulator's copy lanes would
 hide it. ``ScheduleVAdaptive`` is judged at the largest memory cap (chunk units) that fits, per policy.
 
+Activation recompute (``recompute=``, `RecomputeOption`, e.g. from `recompute_options`): the probe runs
+without recompute, so each option rescales the measurement as the planner's formulas predict (the share of
+a layer's saved bytes that stays, and the recompute time of a backward pass as a share of the layer's
+measured forward), and every schedule x offload policy is judged again on it. A recompute candidate wins
+only where it is faster among those that fit (recompute never shortens a step): where nothing fits
+without it, or where it lets a faster schedule fit. The pick's mode is `AutoDecision.recompute`, what the
+recipe's ``train.activation_checkpointing`` must apply.
+
 Memory budget per rank: ``memory_limit`` x 1F1B's peak (``2 * min(d, m)`` chunk units, i.e.
 ``min(d, m)`` microbatches of the rank's two V stages' measured bytes), and/or ``activation_budget_bytes``.
 The fastest candidate that fits wins; candidates within 1 % of it are ties, broken by no offload, then less
@@ -36,7 +44,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pp_offload.order.actions import Costs
@@ -61,6 +69,7 @@ __all__ = [
     "PROBE_OFFLOAD",
     "PROBE_SCHEDULE",
     "AutoCandidate",
+    "RecomputeOption",
     "AutoDecision",
     "AutoError",
     "Measurement",
@@ -68,6 +77,7 @@ __all__ = [
     "choose",
     "costs_for",
     "measure_step",
+    "recompute_options",
 ]
 
 DEFAULT_SCHEDULES = (
@@ -102,6 +112,7 @@ class AutoCandidate:
     bubble: float | None = None
     offloaded_share: float = 0.0
     problem: str | None = None
+    recompute: str = "none"
 
     @property
     def max_peak(self) -> int:
@@ -125,6 +136,13 @@ class AutoDecision:
     reason: str
     candidates: list[AutoCandidate] = field(default_factory=list)
     budget_bytes: list[int] | None = None
+    recompute: str = "none"
+    """Activation recompute of the decoder layers the prediction assumes (``"none"``, ``"selective"``,
+    ``"full"``): what the recipe's ``train.activation_checkpointing`` must apply."""
+    stage_costs: list[list[float]] | None = None
+    """Per stage, its F, I, W per chunk (ms): what ``choose`` placed offload with (``Costs.stages``). The
+    order is built from ``costs`` alone; ``enable_offload`` places the predicted budget offload only when
+    its costs carry these too (``Costs(**costs, stages=stage_costs)``), else with the scalar costs."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (the recipe broadcasts it from rank 0); `from_dict` inverts it."""
@@ -146,10 +164,12 @@ class AutoDecision:
         )
         lines = [
             f"auto: {self.schedule} offload={self.offload}"
-            + (f" memory_limit={self.memory_limit:.3f}" if self.memory_limit is not None else ""),
+            + (f" memory_limit={self.memory_limit:.3f}" if self.memory_limit is not None else "")
+            + (f" recompute={self.recompute}" if self.recompute != "none" else ""),
             f"reason: {self.reason}",
             f"budget per rank: {budget}",
-            f"{'#':>3} {'schedule':26} {'offload':15} {'step ms':>9} {'bubble':>7} {'peak MiB':>9} fits",
+            f"{'#':>3} {'schedule':26} {'offload':15} {'recompute':9} {'step ms':>9} {'bubble':>7} "
+            f"{'peak MiB':>9} fits",
         ]
         shown = self.candidates if limit is None else self.candidates[: max(int(limit), 1)]
         for k, c in enumerate(shown, 1):
@@ -158,7 +178,7 @@ class AutoDecision:
             bubble = f"{c.bubble:7.1%}" if c.bubble is not None else f"{'-':>7}"
             peak = f"{c.max_peak / _MiB:9.3f}" if c.peak_bytes else f"{'-':>9}"
             fits = "yes" if c.fits else ("no: " + c.problem if c.problem else "no")
-            lines.append(f"{k:>3} {name:26} {c.offload:15} {step} {bubble} {peak} {fits}")
+            lines.append(f"{k:>3} {name:26} {c.offload:15} {c.recompute:9} {step} {bubble} {peak} {fits}")
         if len(shown) < len(self.candidates):
             lines.append(f"    ... {len(self.candidates) - len(shown)} more candidates")
         return "\n".join(lines)
@@ -172,6 +192,7 @@ def choose(
     activation_budget_bytes: int | None = None,
     schedules: Sequence[str] | None = None,
     offload: Sequence[str] | None = None,
+    recompute: Sequence[RecomputeOption] | None = None,
 ) -> AutoDecision:
     """The fastest schedule x offload policy whose predicted per-rank activation peak fits (module doc).
 
@@ -180,6 +201,8 @@ def choose(
         given (both must hold); neither: the fastest candidate.
     schedules / offload: the candidates (default `DEFAULT_SCHEDULES` x `DEFAULT_OFFLOAD`); schedules must
         hold 2 stages per rank, offload entries are strings `resolve_offload` accepts.
+    recompute: activation recompute options judged beside the measurement as it is (module doc; e.g.
+        `recompute_options`); None or empty: no recompute candidates.
     Raises `AutoError` when nothing fits, ValueError on bad arguments. Deterministic.
     """
     if not isinstance(measurement, Measurement):
@@ -188,22 +211,30 @@ def choose(
     names = _check_schedules(schedules)
     policies = _check_policies(offload)
     d = measurement.num_ranks
-    budget = _budget(measurement, m, memory_limit, activation_budget_bytes)
-    candidates: list[AutoCandidate] = []
-    for name in names:
-        setup = _setup(measurement, name, m)
-        if setup.problem is not None:
-            candidates += [
-                AutoCandidate(name, p, None, None, [], False, problem=setup.problem) for p in policies
-            ]
-        elif name == "ScheduleVAdaptive":
-            candidates += _adaptive(setup, measurement, m, policies, budget)
-        else:
-            orders = build_orders(
-                setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
+    budget = _budget(measurement, m, memory_limit, activation_budget_bytes)  # from the plain measurement
+    measured = {"none": measurement}
+    for option in recompute or ():
+        if not isinstance(option, RecomputeOption):
+            raise TypeError(
+                f"recompute entries must be RecomputeOption (see recompute_options), got {option!r}"
             )
-            for policy in policies:
-                candidates.append(_judge(setup, orders, measurement, m, policy, budget))
+        measured[option.mode] = option.apply(measurement)
+    candidates: list[AutoCandidate] = []
+    for mode, meas in measured.items():
+        for name in names:
+            setup = _setup(meas, name, m)
+            if setup.problem is not None:
+                found = [
+                    AutoCandidate(name, p, None, None, [], False, problem=setup.problem) for p in policies
+                ]
+            elif name == "ScheduleVAdaptive":
+                found = _adaptive(setup, meas, m, policies, budget)
+            else:
+                orders = build_orders(
+                    setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
+                )
+                found = [_judge(setup, orders, meas, m, policy, budget) for policy in policies]
+            candidates += [replace(c, recompute=mode) for c in found]
     ranked = _rank(candidates)
     best = ranked[0]
     if not best.fits:
@@ -212,13 +243,106 @@ def choose(
         schedule=best.schedule,
         offload=best.offload,
         memory_limit=best.memory_limit,
-        costs=costs_for(measurement, best.schedule, num_microbatches=m),
+        costs=costs_for(measured[best.recompute], best.schedule, num_microbatches=m),
+        stage_costs=[list(x) for x in _setup(measured[best.recompute], best.schedule, m).costs.stages or ()],
         predicted_step_s=float(best.predicted_step_s),
         peak_bytes=list(best.peak_bytes),
         reason=_reason(ranked, budget),
         candidates=ranked,
         budget_bytes=budget,
+        recompute=best.recompute,
     )
+
+
+@dataclass(frozen=True)
+class RecomputeOption:
+    """What recomputing every decoder layer in backward changes in a measured stage.
+
+    mode: ``"selective"`` or ``"full"`` (`pp_offload.plan.memory.RECOMPUTE`).
+    kept_share: share of one layer's saved bytes that stays saved (in (0, 1]).
+    forward_share: time one backward pass (I or W) spends recomputing one layer, as a share of the layer's
+        forward: 1 for full recompute; for selective, the elementwise ops' HBM traffic over the layer's
+        forward time (`recompute_options`).
+
+    Why shares, not bytes and seconds: they scale the probe's own measurement, so the same option serves
+    a CPU probe and a GPU run.
+    """
+
+    mode: str
+    kept_share: float
+    forward_share: float
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("selective", "full"):
+            raise ValueError(f"RecomputeOption.mode must be 'selective' or 'full', got {self.mode!r}")
+        if not 0 < self.kept_share <= 1:
+            raise ValueError(f"RecomputeOption.kept_share must be in (0, 1], got {self.kept_share!r}")
+        if not 0 <= self.forward_share < math.inf:
+            raise ValueError(f"RecomputeOption.forward_share must be >= 0, got {self.forward_share!r}")
+
+    def apply(self, measurement: Measurement) -> Measurement:
+        """``measurement`` as if its decoder layers were recomputed: per stage, its layers' saved bytes
+        scaled by ``kept_share`` (each layer's bytes taken as the smallest measured per layer: first and
+        last stages carry the embedding, head and loss besides), copy times in proportion, and I and W
+        each lengthened by one recompute of the stage's layers (a layer's forward taken as the smallest
+        measured per layer). Stage 0's I and W come from one backward in torch (its I is ~0): one recompute,
+        added to W."""
+        with_layers = [st for st in measurement.stages if st.layers > 0]
+        if not with_layers:
+            raise ValueError(
+                "recompute candidates need each stage's decoder layer count (StageMeasurement.layers); "
+                "the probe records it from the stage modules"
+            )
+        per_layer_bytes = min(st.saved_bytes / st.layers for st in with_layers)
+        per_layer_forward = min(st.F / st.layers for st in with_layers)
+        stages = []
+        for index, st in enumerate(measurement.stages):
+            saved = max(0, round(st.saved_bytes - st.layers * per_layer_bytes * (1.0 - self.kept_share)))
+            ratio = saved / st.saved_bytes if st.saved_bytes else 1.0
+            extra = st.layers * per_layer_forward * self.forward_share
+            stages.append(
+                replace(
+                    st,
+                    I=st.I + (extra if index > 0 else 0.0),
+                    W=st.W + extra,
+                    saved_bytes=saved,
+                    offload=st.offload * ratio,
+                    reload=st.reload * ratio,
+                )
+            )
+        return replace(measurement, stages=tuple(stages))
+
+
+def recompute_options(
+    model: Any,
+    *,
+    seq_len: int,
+    microbatch_size: int = 1,
+    machine: Any = "H100",
+    dtype: str = "bf16",
+    modes: Sequence[str] = ("selective", "full"),
+) -> list[RecomputeOption]:
+    """The planner's recompute model (`pp_offload.plan.memory`, `pp_offload.plan.costs`) as options for
+    `choose`: per mode, the kept share of a layer's saved bytes and the recompute time per backward pass
+    as a share of the layer's forward, for ``model`` (anything `pp_offload.plan.model.model_spec` reads)
+    on ``machine`` (a preset name or `pp_offload.plan.Machine`)."""
+    from pp_offload.plan.costs import recompute_seconds, stage_times
+    from pp_offload.plan.machines import resolve_machine
+    from pp_offload.plan.memory import check_recompute, layer_activation_bytes
+    from pp_offload.plan.model import model_spec
+
+    spec, mach = model_spec(model), resolve_machine(machine)
+    kw = {"microbatch_size": microbatch_size, "seq_len": seq_len}
+    plain = layer_activation_bytes(spec, dtype, **kw)
+    forward = stage_times(spec, mach, dtype, layers=1, first=False, last=False, **kw).F
+    out = []
+    for mode in modes:
+        if check_recompute(mode) == "none":
+            continue
+        kept = layer_activation_bytes(spec, dtype, recompute=mode, **kw) / plain
+        share = recompute_seconds(spec, mach, dtype, recompute=mode, **kw) / forward
+        out.append(RecomputeOption(mode, kept, share))
+    return out
 
 
 def costs_for(measurement: Measurement, schedule: str, *, num_microbatches: int = 1) -> dict[str, float]:
@@ -438,6 +562,7 @@ def _rank(candidates: list[AutoCandidate]) -> list[AutoCandidate]:
             c.predicted_step_s,
             c.max_peak,
             c.offload != "none",
+            c.recompute != "none",
             c.schedule not in OURS,
             c.schedule,
             c.offload,
@@ -461,6 +586,7 @@ def _rank(candidates: list[AutoCandidate]) -> list[AutoCandidate]:
             tied,
             key=lambda c: (
                 c.offload != "none",
+                c.recompute != "none",
                 c.max_peak,
                 c.schedule not in OURS,
                 c.memory_limit is not None,  # a fixed schedule before the adaptive one at the same cost
@@ -475,7 +601,8 @@ def _rank(candidates: list[AutoCandidate]) -> list[AutoCandidate]:
 def _label(c: AutoCandidate) -> str:
     limit = f" (memory_limit {c.memory_limit:.2f})" if c.memory_limit is not None else ""
     how = "without offload" if c.offload == "none" else f"with offload {c.offload}"
-    return f"{c.schedule}{limit} {how}"
+    again = f" and {c.recompute} recompute" if c.recompute != "none" else ""
+    return f"{c.schedule}{limit} {how}{again}"
 
 
 def _reason(ranked: list[AutoCandidate], budget: list[int] | None) -> str:

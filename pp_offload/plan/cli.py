@@ -151,6 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="offload policies (default: none selective:0.25 selective:0.5 full budget budget:auto:0.1)",
     )
     p.add_argument(
+        "--recompute",
+        nargs="+",
+        default=None,
+        choices=("none", "selective", "full"),
+        help="activation recompute modes of the decoder layers to try (default: all three)",
+    )
+    p.add_argument(
         "--search",
         default="auto",
         choices=("auto", "full", "fast"),
@@ -197,6 +204,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "schedules": args.schedules,
         "offload": args.offload,
+        "recompute": args.recompute,
         "flops": args.flops * 1e12 if args.flops else None,
         "host_bandwidth": args.host_bandwidth * 1e9 if args.host_bandwidth else None,
         "mfu": args.mfu,

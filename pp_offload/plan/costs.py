@@ -10,6 +10,14 @@ per token forward; flash attention's backward recomputes the scores, 2.5x the fo
 embedding lookup and its gradient are memory-bound and counted as free. Copies: bytes / host bandwidth;
 transfers between ranks: hidden-state bytes / p2p bandwidth + latency.
 
+Activation recompute (``recompute``, `pp_offload.plan.memory.RECOMPUTE`): F is unchanged and every backward
+pass of a recomputed layer first re-runs what was not kept. With split backward, I and W are two autograd
+calls and each recomputes (so both grow; torch's stage 0, which runs one full backward at W, recomputes
+once but is counted twice here: a small overestimate on one stage). ``"selective"`` re-runs the
+elementwise ops, memory-bound: their HBM traffic (`pp_offload.plan.memory.layer_recompute_traffic`) over
+the machine's ``hbm_bandwidth`` at its datasheet peak (optimistic: unfused elementwise kernels reach
+~80-90% of it). ``"full"`` re-runs the layer's forward (matmuls and attention, at the same MFU).
+
 LoRA (``spec.lora_rank``): the base weights are frozen, so W computes only the adapters' weight gradients,
 2 x (adapter parameters) per token, a few percent of a full W at usual ranks; F and I each add the
 adapters' own matmuls (2 x adapter parameters), and the LM head has no W at all. Zero-bubble schedules fill
@@ -22,7 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pp_offload.plan.machines import Machine
-from pp_offload.plan.memory import Precision, lora_layer_params, precision
+from pp_offload.plan.memory import (
+    Precision,
+    check_recompute,
+    layer_recompute_traffic,
+    lora_layer_params,
+    precision,
+)
 from pp_offload.plan.model import ModelSpec
 
 __all__ = [
@@ -30,6 +44,7 @@ __all__ = [
     "head_flops",
     "layer_flops",
     "p2p_seconds",
+    "recompute_seconds",
     "split_extras",
     "stage_times",
     "transfer_seconds",
@@ -94,14 +109,40 @@ def stage_times(
     last: bool,
     microbatch_size: int,
     seq_len: int,
+    recompute: str = "none",
 ) -> PassTimes:
-    """Seconds of one stage's F, I and W passes for one microbatch."""
+    """Seconds of one stage's F, I and W passes for one microbatch; with ``recompute``, I and W each
+    include one recompute of the stage's layers (module doc)."""
     del first  # the embedding is counted as free
     p = precision(dtype)
     per_token = layer_flops(spec, seq_len=seq_len).scaled(layers)
     if last:
         per_token = per_token + head_flops(spec)
-    return per_token.scaled(microbatch_size * seq_len / machine.flops_for(p.name))
+    times = per_token.scaled(microbatch_size * seq_len / machine.flops_for(p.name))
+    extra = layers * recompute_seconds(
+        spec, machine, p, microbatch_size=microbatch_size, seq_len=seq_len, recompute=recompute
+    )
+    return PassTimes(times.F, times.I + extra, times.W + extra)
+
+
+def recompute_seconds(
+    spec: ModelSpec,
+    machine: Machine,
+    dtype: str | Precision,
+    *,
+    microbatch_size: int,
+    seq_len: int,
+    recompute: str,
+) -> float:
+    """Seconds one backward pass (I or W) spends recomputing one decoder layer for one microbatch: 0
+    without recompute, HBM traffic / bandwidth for ``"selective"``, the layer's forward for ``"full"``."""
+    p = precision(dtype)
+    if check_recompute(recompute) == "none":
+        return 0.0
+    if recompute == "selective":
+        traffic = layer_recompute_traffic(spec, p, microbatch_size=microbatch_size, seq_len=seq_len)
+        return traffic / machine.hbm_bandwidth
+    return layer_flops(spec, seq_len=seq_len).F * microbatch_size * seq_len / machine.flops_for(p.name)
 
 
 def transfer_seconds(nbytes: float, machine: Machine) -> float:

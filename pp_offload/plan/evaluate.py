@@ -15,8 +15,9 @@ The steps, for each schedule:
 3. orders: the compute order is built with the scalar costs (`pp_offload.plan.orders`), as the schedule
    classes build it at run time, and rewritten as torch executes it (stage 0's backward runs whole at W:
    `pp_offload.sim.as_executed_by_torch`); offload actions are placed by
-   `pp_offload.order.offload.plan_offload`, also with the scalar costs (as ``enable_offload`` places them);
-   `pp_offload.sim.simulate` replays the result with the per-stage costs;
+   `pp_offload.order.offload.plan_offload` with the per-stage costs (``enable_offload`` places the same
+   when the schedule's ``costs`` carry these ``stages``), and `pp_offload.sim.simulate`
+   replays the result with those same costs, so a budget's slowdown limit holds for the predicted step;
 4. memory: the simulator's timeline is replayed once more with each stage's real bytes: a chunk's saved
    tensors from the start of its F to the end of its W (B), its output and the loss's tensors until its
    input-gradient pass ends, offloaded tensors off the device from the end of their OFFLOAD to the start
@@ -88,14 +89,32 @@ class Setup:
     memory_cap: float | None = None  # adaptive: chunk units per rank
     memory_limit: float | None = None  # adaptive: fraction of 1F1B's peak
     problem: str | None = None
+    recompute: str = "none"  # activation checkpointing of the decoder layers (pp_offload.plan.memory)
     layer_bytes: int = (
         0  # one decoder layer's saved bytes per microbatch (what budget offload moves per layer)
     )
     layer_copy: float = 0.0  # seconds to copy one layer's saved bytes one way
 
+    def stage_layer_bytes(self, stage: int) -> int:
+        """Bytes one moved layer of ``stage`` carries: ``layer_bytes``, but never more than the stage's
+        saved bytes per layer. Why: with full recompute a layer keeps only its input, and the stage's first
+        layer's input is its receive buffer, so its layers save less than ``layer_bytes`` on average."""
+        st = self.stages[stage]
+        if not st.layers:
+            return self.layer_bytes
+        return min(self.layer_bytes, st.activation.saved // st.layers)
+
     def layered_args(self) -> dict[str, Any]:
-        """`plan_offload`'s ``layers``/``layer_copy`` for budget offload on this setup's stages."""
-        return {"layers": list(self.layers), "layer_copy": self.layer_copy}
+        """`plan_offload`'s ``layers``/``layer_copy``/``peaks`` for budget offload on this setup's stages
+        (one layer's copy time per stage, in proportion to `stage_layer_bytes`; peaks in bytes, as
+        `activation_peaks` reports them, so the budget lowers the peak that is reported)."""
+        unit = self.layer_copy / self.layer_bytes if self.layer_bytes else 0.0
+        copies = [unit * self.stage_layer_bytes(s) for s in range(len(self.stages))]
+
+        def peaks(sim: Any, layered: Any) -> dict[int, float]:  # compared in bytes, as reported
+            return dict(zip(sorted(sim.timeline), activation_peaks(sim, self, layered=layered), strict=True))
+
+        return {"layers": list(self.layers), "layer_copy": copies, "peaks": peaks}
 
     def static(self, rank: int) -> int:
         """Bytes of ``rank`` that do not depend on the order: state, receive buffers, transient, reserve."""
@@ -121,7 +140,11 @@ def setup_schedule(
     dp_shard: bool,
     virtual_stages: int,
     reserve: int,
+    recompute: str = "none",
 ) -> Setup:
+    """Stages, costs and static memory of ``schedule`` (module doc, 1-2); ``recompute``: activation
+    checkpointing of the decoder layers (`pp_offload.plan.memory.RECOMPUTE`), which shrinks what the stages
+    save (and what budget offload moves per layer) and lengthens their I and W passes."""
     lay = layout(schedule, pp, virtual_stages=virtual_stages)
     first_extra, last_extra = split_extras(spec, seq_len=seq_len)
     layers = balanced_split(spec.num_layers, lay.num_stages, first_extra=first_extra, last_extra=last_extra)
@@ -129,7 +152,7 @@ def setup_schedule(
     stages = []
     for s, count in enumerate(layers):
         first, last = s == 0, s == n - 1
-        kw: dict[str, Any] = {"microbatch_size": microbatch_size, "seq_len": seq_len}
+        kw: dict[str, Any] = {"microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
         stages.append(
             StageProfile(
                 layers=count,
@@ -186,7 +209,9 @@ def setup_schedule(
                 for st in held
             )
         )
-    per_layer = layer_activation_bytes(spec, precision, microbatch_size=microbatch_size, seq_len=seq_len)
+    per_layer = layer_activation_bytes(
+        spec, precision, microbatch_size=microbatch_size, seq_len=seq_len, recompute=recompute
+    )
     problem = microbatch_problem(schedule, pp, num_microbatches, virtual_stages=virtual_stages)
     empty = [s for s in range(1, n - 1) if layers[s] == 0]
     if problem is None and empty:
@@ -205,6 +230,7 @@ def setup_schedule(
         transient,
         reserve,
         problem=problem,
+        recompute=recompute,
         layer_bytes=per_layer,
         layer_copy=transfer_seconds(per_layer, machine),
     )
@@ -324,11 +350,11 @@ def evaluate_orders(
         order = orders.orders[size]
         layered: dict = {}
         if resolved.enabled:
-            planned = plan_offload(order, scalar_costs(setup.costs), resolved, **setup.layered_args())
+            # placed with the per-stage costs it is timed with: a budget's slowdown limit then holds for
+            # the step it predicts (placed with scalar costs and timed per stage, it overshot its 3%)
+            planned = plan_offload(order, setup.costs, resolved, **setup.layered_args())
             layered = planned.layered
             sim = planned.sim
-            if setup.costs.stages is not None:  # planned as at run time, timed per stage
-                sim = planned.replay(setup.costs)
             per_rank = [len(planned.offloaded.get(r, ())) for r in sorted(sim.timeline)]
         else:
             sim = simulate(order, setup.costs)
@@ -346,7 +372,7 @@ def evaluate_orders(
             if kind == F
         )
         if layered:
-            moved = sum(c.moved * setup.layer_bytes for c in layered.values())
+            moved = sum(c.moved * setup.stage_layer_bytes(key[0]) for key, c in layered.items())
         elif resolved.enabled:
             moved = sum(
                 setup.stages[s].activation.saved for r in planned.offloaded for s, _ in planned.offloaded[r]
@@ -379,7 +405,7 @@ def evaluate_orders(
 
 def activation_peaks(sim: Any, setup: Setup, *, layered: Any = None) -> list[int]:
     """Per rank, the peak of the activation bytes over the simulated timeline (see the module doc, 4).
-    ``layered``: the plan's layer-by-layer chunks (their per-layer copies move ``setup.layer_bytes``)."""
+    ``layered``: the plan's layer-by-layer chunks (their per-layer copies move `Setup.stage_layer_bytes`)."""
     layered = layered or {}
     peaks = []
     for rank in sorted(sim.timeline):
@@ -396,7 +422,8 @@ def activation_peaks(sim: Any, setup: Setup, *, layered: Any = None) -> list[int
                 events.append((finish, -act.total))
         for action, _, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
             kind = str(getattr(action.computation_type, "value", action.computation_type))
-            events.append((finish, -setup.layer_bytes) if kind == OFFLOAD else (start, setup.layer_bytes))
+            nbytes = setup.stage_layer_bytes(int(action.stage_index))
+            events.append((finish, -nbytes) if kind == OFFLOAD else (start, nbytes))
         for action, start, finish in sim.transfers.get(rank, []):
             if (int(action.stage_index), int(action.microbatch_index)) in layered:
                 continue  # counted per layer above

@@ -29,6 +29,9 @@ class Machine:
         pipeline spans nodes (NVLink inside a node is faster: the prediction is then conservative).
     p2p_latency: seconds added to every point-to-point transfer.
     memory_gib: device memory, GiB.
+    hbm_bandwidth: bytes/s of device memory (HBM), the datasheet peak: times memory-bound work, i.e. the
+        elementwise ops selective activation recompute re-runs (`pp_offload.plan.costs`). Default: the
+        H100 SXM's 3.35 TB/s.
     """
 
     name: str
@@ -39,6 +42,7 @@ class Machine:
     memory_gib: float
     mfu: float = 0.5
     p2p_latency: float = 20e-6
+    hbm_bandwidth: float = 3.35e12
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -70,8 +74,10 @@ A100 = Machine(
     host_bandwidth=15e9,
     p2p_bandwidth=25e9,
     memory_gib=80.0,
+    hbm_bandwidth=2.0e12,
 )
-"""A100 SXM 80GB. 312 TFLOP/s bf16 and 156 TFLOP/s TF32 dense (NVIDIA A100 datasheet); 15 GB/s host link
+"""A100 SXM 80GB. 312 TFLOP/s bf16 and 156 TFLOP/s TF32 dense, 2,039 GB/s HBM2e (NVIDIA A100 datasheet,
+80GB SXM; 2.0 TB/s here); 15 GB/s host link
 per direction: the figure PipeOffload (arXiv 2503.01328) uses for its A100 machines (PCIe Gen4 x16,
 ~25 GB/s alone, two GPUs sharing a PCIe switch); 25 GB/s between stages: one 200 Gb/s HDR InfiniBand
 NIC per GPU."""
@@ -83,8 +89,10 @@ H100 = Machine(
     host_bandwidth=21e9,
     p2p_bandwidth=50e9,
     memory_gib=80.0,
+    hbm_bandwidth=3.35e12,
 )
-"""H100 SXM 80GB. 989 TFLOP/s bf16 and 495 TFLOP/s TF32 dense (NVIDIA H100 datasheet); 21 GB/s host link per
+"""H100 SXM 80GB. 989 TFLOP/s bf16 and 495 TFLOP/s TF32 dense, 3.35 TB/s HBM3 (NVIDIA H100 datasheet, SXM);
+21 GB/s host link per
 direction: PipeOffload's H100 figure (PCIe Gen5 hosts, GPUs sharing switches; a dedicated Gen5 x16 link
 reaches ~50 GB/s, pass ``host_bandwidth`` then); 50 GB/s between stages: one 400 Gb/s NDR NIC per GPU."""
 
@@ -95,9 +103,10 @@ H200 = Machine(
     host_bandwidth=21e9,
     p2p_bandwidth=50e9,
     memory_gib=141.0,
+    hbm_bandwidth=4.8e12,
 )
-"""H200 SXM 141GB: H100's compute (NVIDIA H200 datasheet) with 141 GB of HBM3e. The host and network
-links are assumed to be those of the H100 preset (same PCIe Gen5 / NDR platforms; not measured)."""
+"""H200 SXM 141GB: H100's compute (NVIDIA H200 datasheet) with 141 GB of HBM3e at 4.8 TB/s. The host and
+network links are assumed to be those of the H100 preset (same PCIe Gen5 / NDR platforms; not measured)."""
 
 GH200 = Machine(
     name="GH200",
@@ -106,12 +115,13 @@ GH200 = Machine(
     host_bandwidth=450e9,
     p2p_bandwidth=50e9,
     memory_gib=96.0,
+    hbm_bandwidth=4.0e12,
 )
 """GH200 Grace Hopper Superchip (96 GB HBM3 version): H100's compute (989 TFLOP/s bf16 dense, NVIDIA GH200
-datasheet) and a host link of NVLink-C2C, 900 GB/s total bidirectional per the datasheet, i.e. 450 GB/s
-per direction to the Grace CPU's LPDDR5X: ~20x the PCIe presets, so activation offload should be nearly
-free. Spec-sheet figure, not a measurement (measured copy rates are lower; pass ``host_bandwidth``);
-50 GB/s between stages as for the H100 preset (one 400 Gb/s NDR NIC per GPU)."""
+datasheet), 4 TB/s HBM3 (same datasheet) and a host link of NVLink-C2C, 900 GB/s total bidirectional per
+the datasheet, i.e. 450 GB/s per direction to the Grace CPU's LPDDR5X: ~20x the PCIe presets, so activation
+offload should be nearly free. Spec-sheet figure, not a measurement (measured copy rates are lower; pass
+``host_bandwidth``); 50 GB/s between stages as for the H100 preset (one 400 Gb/s NDR NIC per GPU)."""
 
 MACHINES: dict[str, Machine] = {m.name: m for m in (A100, H100, H200, GH200)}
 
@@ -124,10 +134,11 @@ def resolve_machine(
     memory_gib: float | None = None,
     mfu: float | None = None,
     p2p_bandwidth: float | None = None,
+    hbm_bandwidth: float | None = None,
 ) -> Machine:
     """A preset by name (case-insensitive: ``"A100"``, ``"H100"``, ``"H200"``, ``"GH200"``) or a `Machine`,
     with the given fields replaced. ``flops`` replaces the peak of the training dtype (bf16 and TF32
-    alike), in FLOP/s; ``host_bandwidth`` and ``p2p_bandwidth`` are bytes/s."""
+    alike), in FLOP/s; ``host_bandwidth``, ``p2p_bandwidth`` and ``hbm_bandwidth`` are bytes/s."""
     if isinstance(machine, Machine):
         base = machine
     elif isinstance(machine, str):
@@ -148,6 +159,7 @@ def resolve_machine(
         ("memory_gib", memory_gib),
         ("mfu", mfu),
         ("p2p_bandwidth", p2p_bandwidth),
+        ("hbm_bandwidth", hbm_bandwidth),
     ):
         if value is not None:
             changes[name] = value

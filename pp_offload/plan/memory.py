@@ -19,6 +19,21 @@ GPT-2 layer (LayerNorm, fused QKV, gelu_new MLP):
   a*(7h + 5i): LayerNorm saves its input (the layer input, then the residual sum), its output feeds the
   next projection, the QKV projection's output is saved whole (q, k, v are views), the attention output;
   gelu_new (a Python formula) saves 4 tensors of width i, and its output feeds c_proj.
+Activation checkpointing (``recompute``, `RECOMPUTE`), per decoder layer:
+- ``"selective"``: keep what the backward needs so that everything it recomputes is elementwise (norms,
+  rotary, residual sum, activation function, gated product), i.e. the outputs of the matmuls and of the
+  attention kernel that feed it, and the layer input: Llama a*(h + q + 2k + q + h + 2i) + 4H: the layer input
+  (the first norm is recomputed from it), the q and k projections' outputs (rotary is recomputed from
+  them), v, the attention output and its log-sum-exp, the o projection's output (the residual sum feeding
+  the second norm is recomputed from it and the input), gate and up. GPT-2: a*(h + (q + 2k) + q + h + i) + 4H:
+  input, fused QKV output, attention output, c_proj's output, c_fc's output. The down projection's output
+  is not kept (the next layer's input is the residual sum, kept there). ``bench/bench_recompute.py``
+  measures, with saved-tensor hooks, the kept storages plain autograd saves too (layer input, v, attention
+  output, gate, up): our formula is that plus the q, k and o projections' outputs, which plain autograd
+  never saves but an elementwise-only recompute needs (without them it re-runs three projections).
+  Dropout masks are not kept (the recompute replays the RNG state).
+- ``"full"``: only the layer input (a*h), which on a stage's first layer is the receive buffer (0).
+  The stage's rotary cos/sin and the final norm are counted as without recompute in every mode.
 Embedding stage: the token ids (int64) and the embedding output (saved by the first norm).
 Head stage: the final norm (as above), then the logits are not saved by the head; the loss (outside the
 stage's forward, so never offloaded) keeps fp32 log-probabilities, 4 x vocab per token.
@@ -48,18 +63,24 @@ from pp_offload.plan.model import ModelSpec
 
 __all__ = [
     "PRECISIONS",
+    "RECOMPUTE",
     "ChunkActivation",
     "Precision",
     "StateBytes",
     "chunk_activation",
     "layer_activation_bytes",
     "layer_params",
+    "layer_recompute_traffic",
     "precision",
     "recv_buffer_bytes",
     "stage_params",
     "state_bytes",
     "transient_bytes",
 ]
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation checkpointing modes of the decoder layers (module doc): none, recompute the elementwise ops
+from the kept matmul/attention outputs, or recompute the whole layer from its input."""
 
 SMALL_NUMEL = 1024
 """The activation store leaves storages of at most this many elements on the device (and we do not count
@@ -138,20 +159,46 @@ class ChunkActivation:
         return self.output + self.loss
 
 
+def check_recompute(recompute: str) -> str:
+    """``recompute`` if it names a mode of `RECOMPUTE`, else a ValueError naming the value and the modes."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(
+            f"unknown recompute mode {recompute!r}; use one of {', '.join(map(repr, RECOMPUTE))} "
+            f"('selective': recompute the elementwise ops, 'full': the whole layer)"
+        )
+    return recompute
+
+
 def layer_activation_bytes(
-    spec: ModelSpec, dtype: str | Precision, *, microbatch_size: int, seq_len: int, count_input: bool = True
+    spec: ModelSpec,
+    dtype: str | Precision,
+    *,
+    microbatch_size: int,
+    seq_len: int,
+    count_input: bool = True,
+    recompute: str = "none",
 ) -> int:
     """Bytes one decoder layer saves for backward for one microbatch (rotary cos/sin excluded: they are
     shared by the stage's layers, see `chunk_activation`).
 
     ``count_input=False``: the layer's input is the stage's input (a receive buffer, kept by the pipeline),
     so a tensor that *is* that input is not counted (fp32 RMSNorm and LayerNorm save it as is).
+    ``recompute``: what stays saved under activation checkpointing (module doc).
     """
     p = precision(dtype)
     a, n = p.act_bytes, microbatch_size * seq_len
     h, i, q = spec.hidden_size, spec.intermediate_size, spec.q_size
-    saves_input, extra = _ACTIVATIONS.get(spec.hidden_act, (True, 0))
     lse = _big(microbatch_size * spec.num_heads * seq_len, 4)
+    layer_input = a * h * n if count_input else 0
+    if check_recompute(recompute) == "full":
+        return layer_input
+    if recompute == "selective":
+        kv = spec.kv_size
+        if spec.family == "gpt2":  # fused QKV output, attention output, c_proj output, c_fc output
+            return layer_input + a * (q + 2 * kv) * n + a * q * n + lse + a * h * n + a * i * n
+        # q and k before rotary, v, attention output, o projection output, gate, up
+        return layer_input + a * (q + 2 * kv) * n + a * q * n + lse + a * h * n + 2 * a * i * n
+    saves_input, extra = _ACTIVATIONS.get(spec.hidden_act, (True, 0))
     drop = n * h if spec.resid_dropout > 0 else 0  # 1-byte masks
     if spec.family == "gpt2":
         ln_stats = 2 * _big(n, 4)  # mean and rstd of one LayerNorm (fp32 on CUDA; CPU keeps bf16 in bf16)
@@ -181,6 +228,38 @@ def layer_activation_bytes(
     return total
 
 
+def layer_recompute_traffic(
+    spec: ModelSpec, dtype: str | Precision, *, microbatch_size: int, seq_len: int
+) -> int:
+    """HBM bytes read + written by one selective recompute of one decoder layer for one microbatch.
+
+    Why bytes: the recomputed ops are elementwise (norms, rotary, residual sum, activation, gated product),
+    memory-bound on a GPU, so their time is traffic over HBM bandwidth, not FLOPs. Counted op by op as
+    transformers runs them (unfused), per token with ``a`` bytes per element: an RMSNorm of width ``w``
+    reads and writes ``(a + 4)w`` in its cast to fp32 (none in fp32), ``8w`` in ``pow``, reads ``4w`` in
+    ``mean``, ``8w`` in the multiply by rsqrt, ``(4 + a)w`` in the cast back (none in fp32) and ``2aw`` in
+    the weight multiply; rotary on a width ``w``: two multiplies, a negation of half, a concatenation and
+    an add, ``10aw``; the residual sum ``3ah``; silu-like activations ``2ai`` and the gated product ``3ai``.
+    GPT-2: two fused LayerNorms ``2ah`` each (plus their fp32 mean/rstd), the residual sum, and gelu_new's
+    eight elementwise ops ``16ai``.
+    """
+    p = precision(dtype)
+    a, n = p.act_bytes, microbatch_size * seq_len
+    h, i = spec.hidden_size, spec.intermediate_size
+    if spec.family == "gpt2":
+        act = 16 * a * i if spec.hidden_act == "gelu_new" else 2 * a * i
+        return n * (2 * (2 * a * h + 8) + 3 * a * h + act)
+    casts = 0 if a == 4 else 2 * (a + 4)
+
+    def norm(width: int) -> int:
+        return (casts + 8 + 4 + 8 + 2 * a) * width
+
+    per_token = 2 * norm(h) + 10 * a * (spec.q_size + spec.kv_size) + 3 * a * h + 5 * a * i
+    if spec.qk_norm:
+        per_token += norm(spec.q_size) + norm(spec.kv_size)
+    return n * per_token
+
+
 def chunk_activation(
     spec: ModelSpec,
     dtype: str | Precision,
@@ -190,9 +269,11 @@ def chunk_activation(
     last: bool,
     microbatch_size: int,
     seq_len: int,
+    recompute: str = "none",
 ) -> ChunkActivation:
     """Activation memory of one stage (``layers`` decoder layers, plus the embedding when ``first`` and the
-    final norm, LM head and loss when ``last``) for one microbatch."""
+    final norm, LM head and loss when ``last``) for one microbatch. ``recompute``: activation checkpointing
+    of the decoder layers (module doc)."""
     p = precision(dtype)
     a, n, h, v = p.act_bytes, microbatch_size * seq_len, spec.hidden_size, spec.vocab_size
     saved = 0
@@ -202,12 +283,10 @@ def chunk_activation(
             saved += _big(seq_len, 8)  # position ids, (1, seq) broadcast over the microbatch
             saved += n * h if spec.embd_dropout > 0 else 0
     if layers:
-        saved += layer_activation_bytes(
-            spec, p, microbatch_size=microbatch_size, seq_len=seq_len, count_input=first
-        )
-        saved += (layers - 1) * layer_activation_bytes(
-            spec, p, microbatch_size=microbatch_size, seq_len=seq_len
-        )
+        kw = {"microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
+        # the stage's first layer reads its receive buffer, except on the first stage (embedding output)
+        saved += layer_activation_bytes(spec, p, count_input=first, **kw)
+        saved += (layers - 1) * layer_activation_bytes(spec, p, **kw)
         if spec.family == "llama":
             saved += 2 * _big(n * spec.head_dim, a)  # rotary cos and sin, shared by the stage's layers
     if not last:

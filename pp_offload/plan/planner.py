@@ -1,9 +1,12 @@
-"""Pick a pipeline schedule and an activation-offload policy for a model, a batch shape and a machine.
+"""Pick a pipeline schedule, an activation-offload policy and an activation-recompute mode for a model, a
+batch shape and a machine.
 
-Every schedule (ours and torch's) is evaluated with every offload policy through the simulator
+Every schedule (ours and torch's) is evaluated with every offload policy and every recompute mode
+(``none``, ``selective``, ``full``: `pp_offload.plan.memory.RECOMPUTE`) through the simulator
 (`pp_offload.plan.evaluate`); candidates are ranked fits-first, then by predicted step time (equal times:
-less offload first, then lower peak memory). Offload never shortens an order, so the offload policies of a
-schedule that fits without offload are only replayed on request (``evaluate_dominated``). The
+less offload first, less recompute, then lower peak memory). Offload and recompute never shorten an order,
+so the offload policies of a schedule that fits without offload, and the recompute modes of a schedule
+that fits without either, are only replayed on request (``evaluate_dominated``). The
 recommendation is the first candidate that fits, with the reason; when none fits, `PlanError` says by how
 much the closest one misses and which single change would fit (more pipeline stages, a smaller
 microbatch, sharded optimizer state, full offload, a larger GPU), each sized by the same model.
@@ -40,7 +43,7 @@ from pp_offload.plan.evaluate import (
     simulation_sizes,
 )
 from pp_offload.plan.machines import MACHINES, Machine, resolve_machine
-from pp_offload.plan.memory import activation_is_modelled, precision
+from pp_offload.plan.memory import RECOMPUTE, activation_is_modelled, check_recompute, precision
 from pp_offload.plan.model import ModelSpec, model_spec
 from pp_offload.plan.orders import SCHEDULES, canonical_schedule, resolve_search
 
@@ -63,7 +66,8 @@ class PlanError(ValueError):
 
 @dataclass
 class Candidate:
-    """One schedule with one offload policy: predicted step time and memory of every rank.
+    """One schedule with one offload policy and one recompute mode: predicted step time and memory of every
+    rank. ``recompute`` is what the recipe applies as ``train.activation_checkpointing`` (``"none"``: off).
 
     Times in seconds, memory in bytes; ``peak_units`` are the simulator's chunk units (one V stage of one
     microbatch; 1F1B peaks at ``2 * min(pp, m)``).
@@ -90,7 +94,8 @@ class Candidate:
     skipped: str | None = None
     useless: str | None = None
     """Why this offload candidate is never recommended: it moves nothing, or it costs step time without
-    lowering the activation peak below the same schedule without offload."""
+    lowering the activation peak below the same schedule without offload (and without recompute)."""
+    recompute: str = "none"
 
     @property
     def evaluated(self) -> bool:
@@ -104,7 +109,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.name} + {self.offload} offload" if self.offload != "none" else self.name
+        text = f"{self.name} + {self.offload} offload" if self.offload != "none" else self.name
+        return text + (f" + {self.recompute} recompute" if self.recompute != "none" else "")
 
     @property
     def peak_bytes(self) -> int:
@@ -145,13 +151,20 @@ class PlanResult:
     def memory_limit_bytes(self) -> int:
         return int(self.settings["gpu_memory_gib"] * GIB)
 
-    def candidate(self, schedule: str, offload: str = "none") -> Candidate:
-        """The candidate of ``schedule`` (any spelling `canonical_schedule` accepts) with ``offload``."""
+    @property
+    def recompute(self) -> str | None:
+        """The recommended candidate's recompute mode (what the recipe's ``train.activation_checkpointing``
+        must apply for the prediction to hold); None when nothing is recommended."""
+        return self.recommended.recompute if self.recommended is not None else None
+
+    def candidate(self, schedule: str, offload: str = "none", recompute: str = "none") -> Candidate:
+        """The candidate of ``schedule`` (any spelling `canonical_schedule` accepts) with ``offload`` and
+        ``recompute``."""
         name = canonical_schedule(schedule)
         for c in self.candidates:
-            if c.schedule == name and c.offload == offload:
+            if c.schedule == name and c.offload == offload and c.recompute == recompute:
                 return c
-        raise KeyError(f"no candidate {name} with offload {offload!r}")
+        raise KeyError(f"no candidate {name} with offload {offload!r} and recompute {recompute!r}")
 
     def table(self) -> str:
         from pp_offload.plan.report import format_table
@@ -169,6 +182,7 @@ class PlanResult:
             "model": asdict(self.model),
             "machine": asdict(self.machine),
             "recommended": self.recommended.label if self.recommended else None,
+            "recompute": self.recompute,
             "reason": self.reason,
             "candidates": [c.to_dict() for c in self.candidates],
             "schedules": self.schedules,
@@ -201,6 +215,7 @@ def plan(
     evaluate_dominated: bool = False,
     suggest: bool = True,
     lora_rank: int = 0,
+    recompute: Iterable[str] | str | None = None,
 ) -> PlanResult:
     """Evaluate every schedule with every offload policy and recommend one (see the module doc).
 
@@ -227,6 +242,11 @@ def plan(
     evaluate_dominated: also replay the offload policies of schedules that fit without offload (they cannot
         be recommended: offload never shortens an order, and ties go to no offload), to see what offload
         would save; by default they are listed as skipped, which saves most of the planning time.
+    recompute: activation recompute modes to try (default all of ``none``, ``selective``, ``full``;
+        `pp_offload.plan.memory` and `pp_offload.plan.costs` model their bytes and time). Recompute
+        candidates of a schedule that fits without offload and recompute are skipped unless
+        ``evaluate_dominated``; a recompute candidate that costs time without lowering the activation peak
+        below the plain schedule is marked useless. ``PlanResult.recompute`` is the recommended mode.
     lora_rank: plan LoRA fine-tuning with adapters of this rank on every layer projection (0: all weights
         trained): gradients and optimizer state of the adapters only, and W of the adapters only, which
         leaves zero-bubble schedules little to fill their bubbles with (`pp_offload.plan.costs`).
@@ -258,6 +278,7 @@ def plan(
     prec = precision(dtype)
     names = _schedule_names(schedules)
     policies = _policies(offload)
+    modes = _recompute_modes(recompute)
     mode = resolve_search(search, pp)
     limit_bytes = int(mach.memory_gib * GIB)
     reserve = int(reserve_gib * GIB)
@@ -279,6 +300,7 @@ def plan(
         "simulated_microbatches": simulation_sizes(pp, num_microbatches),
         "schedules": names,
         "offload": [label for label, _ in policies],
+        "recompute": modes,
     }
     common = {
         "spec": spec,
@@ -296,13 +318,13 @@ def plan(
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs must be an int >= 1 or None, got {jobs!r}")
     candidates, details = _evaluate_all(
-        names, policies, common, limit_bytes, mode, progress, jobs, evaluate_dominated
+        names, policies, common, limit_bytes, mode, progress, jobs, evaluate_dominated, modes
     )
     for c in candidates:
         if c.evaluated:
             c.dp_sync_time = _dp_sync_seconds(c, dp, mach)
             c.step_time = c.pipeline_time + c.dp_sync_time
-    ranked = _rank(candidates, names, [label for label, _ in policies])
+    ranked = _rank(candidates, names, [label for label, _ in policies], modes)
     result = PlanResult(
         candidates=ranked,
         recommended=None,
@@ -348,23 +370,30 @@ def plan(
 
 
 def _mark_useless(candidates: list[Candidate]) -> None:
-    """Flag offload candidates that are the plain schedule at a cost (`Candidate.useless`)."""
-    plain = {c.name: c for c in candidates if c.offload == "none" and c.evaluated}
+    """Flag offload and recompute candidates that are a plainer candidate at a cost (`Candidate.useless`):
+    an offload that moves nothing, or one slower than the same schedule and recompute without offload
+    for no lower activation peak; a recompute slower than the schedule without recompute or offload for
+    no lower activation peak."""
+    plain = {(c.name, c.recompute): c for c in candidates if c.offload == "none" and c.evaluated}
     for c in candidates:
-        if c.offload == "none" or not c.evaluated:
+        if not c.evaluated or (c.offload == "none" and c.recompute == "none"):
             continue
-        if c.offloaded_share == 0:
+        if c.offload != "none" and c.offloaded_share == 0:
             c.useless = "moves nothing: no chunk's forward-to-backward window hides a copy out and back"
             continue
-        base = plain.get(c.name)
-        if base is None or base.step_time is None or c.step_time is None:
-            continue
-        slower = c.step_time > base.step_time * (1 + _TIE)
-        if slower and c.activation_peak >= base.activation_peak:
-            c.useless = (
-                f"{100 * (c.step_time / base.step_time - 1):+.1f}% step time for no lower activation peak "
-                f"({c.activation_peak / GIB:.1f} GiB, as without offload)"
-            )
+        for base, what in (
+            (plain.get((c.name, c.recompute)) if c.offload != "none" else None, "without offload"),
+            (plain.get((c.name, "none")) if c.recompute != "none" else None, "without recompute"),
+        ):
+            if base is None or base is c or base.step_time is None or c.step_time is None:
+                continue
+            slower = c.step_time > base.step_time * (1 + _TIE)
+            if slower and c.activation_peak >= base.activation_peak:
+                c.useless = (
+                    f"{100 * (c.step_time / base.step_time - 1):+.1f}% step time for no lower activation "
+                    f"peak ({c.activation_peak / GIB:.1f} GiB, as {what})"
+                )
+                break
 
 
 def _schedule_names(schedules: Iterable[str] | None) -> list[str]:
@@ -380,6 +409,18 @@ def _schedule_names(schedules: Iterable[str] | None) -> list[str]:
     if not names:
         raise ValueError("schedules must name at least one schedule")
     return names
+
+
+def _recompute_modes(recompute: Iterable[str] | str | None) -> list[str]:
+    """The recompute modes to try, ``"none"`` first (it is every recompute candidate's reference)."""
+    if recompute is None:
+        return list(RECOMPUTE)
+    if isinstance(recompute, str):
+        recompute = [recompute]
+    modes = [check_recompute(str(r).strip().lower()) for r in recompute]
+    if not modes:
+        raise ValueError("recompute must list at least one mode ('none', 'selective', 'full')")
+    return sorted(set(modes), key=RECOMPUTE.index)
 
 
 def _policies(offload: Iterable[Any] | None) -> list[tuple[str, Any]]:
@@ -419,11 +460,58 @@ def _policies(offload: Iterable[Any] | None) -> list[tuple[str, Any]]:
     return out
 
 
-def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, evaluate_dominated):
-    """Candidates of every schedule (in ``names`` order) and per-schedule details; schedules run in
-    ``jobs`` worker processes (orders and offload plans are pure-Python work)."""
+def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, evaluate_dominated, modes):
+    """Candidates of every schedule (in ``names`` order) and recompute mode, and per-schedule details;
+    schedules run in ``jobs`` worker processes (orders and offload plans are pure-Python work).
+
+    Recompute modes other than ``"none"`` run after it: a schedule that fits with neither offload nor
+    recompute gets its recompute candidates listed as skipped (never faster) unless ``evaluate_dominated``.
+    """
     from tqdm import tqdm
 
+    bar = tqdm(
+        total=len(names) * len(policies) * len(modes),
+        desc="plan",
+        unit="candidate",
+        disable=not progress,
+        file=sys.stderr,
+        leave=False,
+    )
+    candidates: list[Candidate] = []
+    details: dict[str, dict[str, Any]] = {}
+    fits_plain: set[str] = set()
+    try:
+        for recompute in modes:
+            skip = set() if (recompute == "none" or evaluate_dominated) else fits_plain
+            found, info = _evaluate_mode(
+                names,
+                policies,
+                {**common, "recompute": recompute},
+                limit_bytes,
+                mode,
+                jobs,
+                evaluate_dominated,
+                skip,
+                bar,
+            )
+            candidates += found
+            for name, entry in info.items():
+                details.setdefault(name, entry)
+                if recompute != "none":
+                    details[name].setdefault("recompute", {})[recompute] = {
+                        k: entry[k] for k in ("chunk_costs_s", "stage_activation_bytes", "stage_times_s")
+                    }
+            if recompute == "none":
+                fits_plain = {c.schedule for c in found if c.offload == "none" and c.evaluated and c.fits}
+    finally:
+        bar.close()
+    return candidates, details
+
+
+def _evaluate_mode(names, policies, common, limit_bytes, mode, jobs, evaluate_dominated, skip, bar):
+    """`_evaluate_all` for one recompute mode (``common["recompute"]``); schedules in ``skip`` are listed
+    as skipped (they fit without offload or recompute)."""
+    recompute = common["recompute"]
     setups = {name: setup_schedule(name, **common) for name in names}
     if "ScheduleVAdaptive" in setups:
         choose_adaptive_limit(
@@ -437,7 +525,24 @@ def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, ev
             if keys.get(other) == keys["ScheduleVAdaptive"]:
                 alias["ScheduleVAdaptive"] = other
                 break
-    tasks = [n for n in names if n not in alias]
+    results: dict[str, tuple[list[Candidate], dict[str, Any]]] = {}
+    for name in names:
+        if name in skip and name not in alias:
+            results[name] = (
+                [
+                    Candidate(
+                        name,
+                        label,
+                        memory_limit=setups[name].memory_limit,
+                        recompute=recompute,
+                        skipped="fits without offload or recompute, which are never faster",
+                    )
+                    for label, _ in policies
+                ],
+                _details(setups[name], None, simulation_sizes(common["pp"], common["num_microbatches"])),
+            )
+            bar.update(len(policies))
+    tasks = [n for n in names if n not in alias and n not in results]
     tasks.sort(key=lambda n: (not n.startswith("ScheduleV"), names.index(n)))  # slowest first
     args = (
         policies,
@@ -447,32 +552,20 @@ def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, ev
         common["virtual_stages"],
         evaluate_dominated,
     )
-    results: dict[str, tuple[list[Candidate], dict[str, Any]]] = {}
-    bar = tqdm(
-        total=len(names) * len(policies),
-        desc="plan",
-        unit="candidate",
-        disable=not progress,
-        file=sys.stderr,
-        leave=False,
-    )
-    try:
-        workers = min(jobs or os.cpu_count() or 1, len(tasks))
-        if workers <= 1:
-            for name in tasks:
+    workers = min(jobs or os.cpu_count() or 1, len(tasks))
+    if workers <= 1:
+        for name in tasks:
+            bar.set_postfix_str(name)
+            results[name] = _evaluate_schedule(setups[name], *args)
+            bar.update(len(policies) * (1 + sum(1 for a in alias.values() if a == name)))
+    else:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(_evaluate_schedule, setups[n], *args): n for n in tasks}
+            for future in as_completed(futures):
+                name = futures[future]
+                results[name] = future.result()
                 bar.set_postfix_str(name)
-                results[name] = _evaluate_schedule(setups[name], *args)
                 bar.update(len(policies) * (1 + sum(1 for a in alias.values() if a == name)))
-        else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
-                futures = {pool.submit(_evaluate_schedule, setups[n], *args): n for n in tasks}
-                for future in as_completed(futures):
-                    name = futures[future]
-                    results[name] = future.result()
-                    bar.set_postfix_str(name)
-                    bar.update(len(policies) * (1 + sum(1 for a in alias.values() if a == name)))
-    finally:
-        bar.close()
     candidates: list[Candidate] = []
     details: dict[str, dict[str, Any]] = {}
     for name in names:
@@ -514,7 +607,7 @@ def _evaluate_schedule(
     out = []
     fits_plain = False
     for label, policy in sorted(policies, key=lambda p: p[0] != "none"):
-        cand = Candidate(setup.schedule, label, memory_limit=setup.memory_limit)
+        cand = Candidate(setup.schedule, label, memory_limit=setup.memory_limit, recompute=setup.recompute)
         if error is not None:
             cand.error = error
         elif label != "none" and setup.schedule in SINGLE_STAGE:
@@ -540,7 +633,7 @@ def _order_key(setup: Setup, common: dict[str, Any]) -> tuple | None:
     d = setup.layout.num_ranks
     caps = {"ScheduleVMin": vshape.v_min_cap(d), "ScheduleVHalf": vshape.v_half_cap(d), "ScheduleVZB": 2 * d}
     cap = caps.get(setup.schedule, setup.memory_cap)
-    return (float(cap), setup.costs, tuple(simulation_sizes(d, common["num_microbatches"])))
+    return (float(cap), setup.costs, tuple(simulation_sizes(d, common["num_microbatches"])), setup.recompute)
 
 
 def _fill(cand: Candidate, setup: Setup, results, num_microbatches: int, limit_bytes: int) -> None:
@@ -594,13 +687,28 @@ def _dp_sync_seconds(c: Candidate, dp: int, machine: Machine) -> float:
     return 2.0 * (dp - 1) / dp * grads / machine.p2p_bandwidth
 
 
-def _rank(candidates: list[Candidate], names: Sequence[str], policies: Sequence[str]) -> list[Candidate]:
+def _rank(
+    candidates: list[Candidate],
+    names: Sequence[str],
+    policies: Sequence[str],
+    modes: Sequence[str] = RECOMPUTE,
+) -> list[Candidate]:
     def key(c: Candidate):
+        extra = modes.index(c.recompute)
         if not c.evaluated:
-            return (2 if c.error else 1.5, 0.0, 0, 0, names.index(c.schedule), policies.index(c.offload))
-        # equal step times (within 1e-6) tie: no offload first, then lower memory, then the listed order
+            failed = 2 if c.error else 1.5
+            return (failed, 0.0, 0, extra, 0, names.index(c.schedule), policies.index(c.offload))
+        # equal step times (within 1e-6) tie: no offload first, no recompute, then lower memory, then the
+        # listed order
         step = round(math.log(c.step_time), 6) if c.step_time and c.step_time > 0 else 0.0
-        return (0 if c.fits else 1, step, policies.index(c.offload), c.peak_bytes, names.index(c.schedule))
+        return (
+            0 if c.fits else 1,
+            step,
+            policies.index(c.offload),
+            extra,
+            c.peak_bytes,
+            names.index(c.schedule),
+        )
 
     return sorted(candidates, key=key)
 

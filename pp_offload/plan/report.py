@@ -17,7 +17,7 @@ GIB = 1 << 30
 def _reference(result: PlanResult) -> Candidate | None:
     """1F1B without offload, the memory every schedule is compared with, when it was evaluated."""
     for c in result.candidates:
-        if c.schedule == "Schedule1F1B" and c.offload == "none" and c.evaluated:
+        if c.schedule == "Schedule1F1B" and c.offload == "none" and c.recompute == "none" and c.evaluated:
             return c
     return None
 
@@ -34,8 +34,8 @@ def format_table(result: PlanResult) -> str:
     ]
     ref = _reference(result)
     head = (
-        f"{'#':>3}  {'schedule':<31}{'offload':<16}{'step ms':>9}{'bubble':>8}{'act units':>11}"
-        f"{'act GiB':>9}{'x 1F1B':>8}{'peak GiB (rank)':>17}  fits"
+        f"{'#':>3}  {'schedule':<31}{'offload':<16}{'recompute':<10}{'step ms':>9}{'bubble':>8}"
+        f"{'act units':>11}{'act GiB':>9}{'x 1F1B':>8}{'peak GiB (rank)':>17}  fits"
     )
     lines += [head, "-" * len(head)]
     idle: dict[str, list[str]] = {}
@@ -46,17 +46,15 @@ def format_table(result: PlanResult) -> str:
             skipped.append(c)
             continue
         if c.error is not None:
-            lines.append(f"{'-':>3}  {c.name:<31}{c.offload:<16}  not evaluated: {c.error}")
+            lines.append(f"{'-':>3}  {c.name:<31}{c.offload:<16}{c.recompute:<10}  not evaluated: {c.error}")
             continue
         if c.useless is not None:
             if c.useless.startswith("moves nothing"):
-                idle.setdefault("it moves nothing (no window hides a copy)", []).append(
-                    f"{c.name} {c.offload}"
-                )
+                idle.setdefault("it moves nothing (no window hides a copy)", []).append(_short(c))
             else:
                 cost = c.useless.split(" step time")[0]
                 idle.setdefault("it costs step time without lowering the activation peak", []).append(
-                    f"{c.name} {c.offload} ({cost})"
+                    f"{_short(c)} ({cost})"
                 )
             continue
         ratio = f"{c.activation_peak / ref.activation_peak:.2f}" if ref and ref.activation_peak else "-"
@@ -64,19 +62,20 @@ def format_table(result: PlanResult) -> str:
         k += 1
         mark = "*" if c is result.recommended else " "
         lines.append(
-            f"{k:>3}{mark} {c.name:<31}{c.offload:<16}{1e3 * c.step_time:>9.4g}{100 * c.bubble:>7.1f}%"
-            f"{c.peak_unit:>11g}{c.activation_peak / GIB:>9.2f}{ratio:>8}"
+            f"{k:>3}{mark} {c.name:<31}{c.offload:<16}{c.recompute:<10}{1e3 * c.step_time:>9.4g}"
+            f"{100 * c.bubble:>7.1f}%{c.peak_unit:>11g}{c.activation_peak / GIB:>9.2f}{ratio:>8}"
             f"{c.peak_bytes / GIB:>11.1f} ({c.peak_rank:>2})  {fits}"
         )
     by_reason: dict[str, list[str]] = {}
     for c in skipped:
+        name = c.name if c.recompute == "none" else f"{c.name} ({c.recompute} recompute)"
         names = by_reason.setdefault(c.skipped, [])
-        if c.name not in names:
-            names.append(c.name)
+        if name not in names:
+            names.append(name)
     for reason, names in by_reason.items():
-        lines.append(f"offload not replayed ({reason}): " + ", ".join(names))
+        lines.append(f"offload / recompute not replayed ({reason}): " + ", ".join(names))
     for reason, labels in idle.items():
-        lines.append(f"offload never recommended, {reason}: " + "; ".join(labels))
+        lines.append(f"offload / recompute never recommended, {reason}: " + "; ".join(labels))
     lines.append("")
     if result.recommended is not None:
         lines.append(f"recommended: {result.recommended.label}")
@@ -85,11 +84,16 @@ def format_table(result: PlanResult) -> str:
         lines.append(f"no recommendation: {result.reason}")
     lines.append(
         "columns: step ms = pipeline + dp gradient sync; bubble = 1 - busiest rank's compute / step; "
-        "act units = peak activation chunks per rank (1F1B: 2*min(pp, m)); act GiB = peak activation bytes, "
-        "x 1F1B relative to 1F1B without offload; peak = whole memory of the fullest rank"
+        "recompute = activation checkpointing of the decoder layers (selective: the elementwise ops, full: "
+        "whole layers); act units = peak activation chunks per rank (1F1B: 2*min(pp, m)); act GiB = peak "
+        "activation bytes, x 1F1B relative to 1F1B without offload; peak = whole memory of the fullest rank"
     )
     lines.append("assumptions: " + "; ".join(result.assumptions))
     return "\n".join(lines)
+
+
+def _short(c: Candidate) -> str:
+    return f"{c.name} {c.offload}" + (f" {c.recompute} recompute" if c.recompute != "none" else "")
 
 
 def plot_plan(result: PlanResult, path: str | os.PathLike[str]) -> Path:
