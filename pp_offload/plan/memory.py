@@ -27,10 +27,9 @@ Activation checkpointing (``recompute``, `RECOMPUTE`), per decoder layer:
   them), v, the attention output and its log-sum-exp, the o projection's output (the residual sum feeding
   the second norm is recomputed from it and the input), gate and up. GPT-2: a*(h + (q + 2k) + q + h + i) + 4H:
   input, fused QKV output, attention output, c_proj's output, c_fc's output. The down projection's output
-  is not kept (the next layer's input is the residual sum, kept there). ``bench/bench_recompute.py``
-  measures, with saved-tensor hooks, the kept storages plain autograd saves too (layer input, v, attention
-  output, gate, up): our formula is that plus the q, k and o projections' outputs, which plain autograd
-  never saves but an elementwise-only recompute needs (without them it re-runs three projections).
+  is not kept (the next layer's input is the residual sum, kept there). These are exactly the bytes of a
+  layer's store entry under `pp_offload.runtime.recompute` (``bench/bench_recompute.py`` measures them on
+  real HF layers; ``tests/test_recompute_plan.py`` compares).
   Dropout masks are not kept (the recompute replays the RNG state).
 - ``"full"``: only the layer input (a*h), which on a stage's first layer is the receive buffer (0).
   The stage's rotary cos/sin and the final norm are counted as without recompute in every mode.
