@@ -248,6 +248,36 @@ def test_auto_schedule_probes_chooses_the_same_everywhere_and_trains_exactly(
     assert recorded["measurement"]["stages"]
 
 
+def test_auto_judges_recompute_only_when_unset_and_applies_its_pick(tmp_path: Path) -> None:
+    """schedule: auto offers selective and full recompute of this model's layers to `choose` (kept byte
+    shares from the planner's formulas) unless train.activation_checkpointing is set, and the chosen mode
+    reaches the real pipeline's config; a decision without recompute keeps the user's setting."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pp_offload.recipe.auto import chosen_config, machine_preset, recompute_candidates
+
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"}))
+    auto = {"pipeline__schedule": "auto", "pipeline__memory_limit": 0.5}
+    config = RecipeConfig.from_dict(_config(tmp_path, **auto))
+    options = recompute_candidates(config, model, torch.device("cpu"))
+    assert [o.mode for o in options] == ["selective", "full"]
+    assert 0 < options[1].kept_share < options[0].kept_share < 1 and options[1].forward_share == 1
+    set_by_user = RecipeConfig.from_dict(_config(tmp_path, train__activation_checkpointing="full", **auto))
+    assert recompute_candidates(set_by_user, model, torch.device("cpu")) == []
+    assert machine_preset(torch.device("cpu")) == "H100"
+
+    decision = SimpleNamespace(
+        schedule="ScheduleVMin", offload="budget", memory_limit=None, costs={"F": 1.0}, recompute="selective"
+    )
+    chosen = chosen_config(config, decision)
+    assert (chosen.pipeline.schedule, chosen.pipeline.offload) == ("ScheduleVMin", "budget")
+    assert chosen.train.activation_checkpointing == "selective"
+    without = SimpleNamespace(**{**vars(decision), "recompute": "none"})
+    assert chosen_config(set_by_user, without).train.activation_checkpointing == "full"
+
+
 def _preflight(config: dict, pp: int = 2, layers: int | None = 4) -> None:
     preflight(RecipeConfig.from_dict(config), Topology(rank=0, world=pp, local_rank=0, pp=pp, dp=1), layers)
 

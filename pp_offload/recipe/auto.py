@@ -11,7 +11,14 @@ hardware meet. The probe runs before any weight changes:
 2. global rank 0 chooses (`choose`: the fastest candidate whose predicted per-rank activation peak fits
    ``pipeline.memory_limit`` and ``pipeline.activation_budget_gib``) and broadcasts the decision, so every
    rank of every replica builds the same schedule; when nothing fits, every rank raises the same error;
-3. the real pipeline is built once with the chosen schedule, offload policy and the measured costs.
+3. the real pipeline is built once with the chosen schedule, offload policy and the measured costs, and
+   with the chosen activation recompute (``train.activation_checkpointing``) when the user left it off.
+
+Activation recompute: unless ``train.activation_checkpointing`` is already set (the probe then measures
+with it), ``choose`` also judges selective and full recompute of the decoder layers, from the probe's
+measurement rescaled by the planner's model of this model's layers (`recompute_options`: the share of a
+layer's saved bytes that stays, the recompute time as a share of its forward on the GPU preset named by
+the device, H100 where it names none). A recompute mode wins only where it lets a faster candidate fit.
 
 Rank 0 logs the ranked candidates and writes them, with the measurement, to ``<output.dir>/auto.json``.
 """
@@ -34,7 +41,7 @@ from pp_offload.recipe.checkpoint import rng_state, set_rng_state
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.parts import Pipeline, Topology, build_pipeline
 
-__all__ = ["AUTO", "choose_schedule", "is_auto"]
+__all__ = ["AUTO", "choose_schedule", "chosen_config", "is_auto", "machine_preset", "recompute_candidates"]
 
 AUTO = "auto"
 _SHOWN = 8  # candidates printed; auto.json has them all
@@ -54,7 +61,8 @@ def _probe_config(config: RecipeConfig) -> RecipeConfig:
 
 
 def chosen_config(config: RecipeConfig, decision: Any) -> RecipeConfig:
-    """``config`` with the decision's schedule, offload policy, adaptive limit and measured costs."""
+    """``config`` with the decision's schedule, offload policy, adaptive limit, measured costs and
+    activation recompute (a decision made without recompute candidates keeps the user's setting)."""
     pipeline = dataclasses.replace(
         config.pipeline,
         schedule=decision.schedule,
@@ -62,7 +70,48 @@ def chosen_config(config: RecipeConfig, decision: Any) -> RecipeConfig:
         memory_limit=decision.memory_limit,  # set for ScheduleVAdaptive only
         costs=dict(decision.costs),  # torch's schedules use them for their offload plan
     )
-    return dataclasses.replace(config, pipeline=pipeline)
+    train = config.train
+    recompute = getattr(decision, "recompute", "none")
+    if recompute != "none":
+        train = dataclasses.replace(train, activation_checkpointing=recompute)
+    return dataclasses.replace(config, pipeline=pipeline, train=train)
+
+
+def recompute_candidates(config: RecipeConfig, model: nn.Module, device: torch.device) -> list[Any]:
+    """The recompute options ``choose`` judges for this run: none when ``train.activation_checkpointing``
+    is set (the probe measured with it) or when the planner cannot model the model's layers (then auto
+    picks among schedules and offload only, as before)."""
+    from pp_offload.models.lora import unwrap_peft
+    from pp_offload.parallel import checkpointing_mode
+    from pp_offload.plan.auto import recompute_options
+
+    if checkpointing_mode(config.train.activation_checkpointing) is not None:
+        return []
+    spec = config.pipeline
+    microbatch = max(1, config.train.global_batch_size // (spec.microbatches * spec.dp))
+    try:
+        return recompute_options(
+            unwrap_peft(model).config,
+            seq_len=config.data.seq_len,
+            microbatch_size=microbatch,
+            machine=machine_preset(device),
+            dtype=config.train.precision,
+        )
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def machine_preset(device: torch.device) -> str:
+    """The planner's preset for ``device``: the CUDA device's name when it names one (GH200 before H200 and
+    H100, which its name contains), else H100 (a CPU run rehearses a GPU one)."""
+    from pp_offload.plan.machines import MACHINES
+
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device).upper()
+        for preset in sorted(MACHINES, key=len, reverse=True):
+            if preset.upper() in name:
+                return preset
+    return "H100"
 
 
 def choose_schedule(
@@ -118,6 +167,7 @@ def choose_schedule(
                 num_microbatches=spec.microbatches,
                 memory_limit=spec.memory_limit,
                 activation_budget_bytes=budget,
+                recompute=recompute_candidates(config, model, device),
             )
             message = [{"decision": decision.to_dict()}]
         except (AutoError, ValueError) as error:
