@@ -34,7 +34,7 @@ from functools import lru_cache, partial
 from pp_offload.order import cache as order_cache
 from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
-from pp_offload.order.compact import compact
+from pp_offload.order.compact import compact_bound
 from pp_offload.order.cooldown import diagonal_cooldown
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
 from pp_offload.order.replay import replay
@@ -274,10 +274,24 @@ def _measure(gen: _Generator, order: Order, costs: Costs) -> _Scored | None:
     return _Scored(makespan, peak, gen.name, gen, order)
 
 
-def _compacted(item: _Scored, costs: Costs, cap: int, rounds: int = 3) -> _Scored:
-    """``item`` with its gaps filled, its peak kept within ``cap``."""
-    order = compact(item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds)
+def _compacted(item: _Scored, costs: Costs, cap: int, rounds: int = 3, memo: dict | None = None) -> _Scored:
+    """``item`` with its gaps filled, its peak kept within ``cap``.
+
+    ``memo`` (one per search) remembers each order's compaction; one the cap never constrained is reused
+    as is for any larger cap (`compact_bound`: the same decisions would be taken), which is what the
+    search does when it compacts a candidate again at the next cap.
+    """
+    key = (item.name, len(item.order[0]), rounds)
+    if memo is not None and key in memo:
+        under, bound, order, makespan, peak = memo[key]
+        if not bound and under <= cap:
+            return _Scored(makespan, peak, item.name, item.gen, order, cap)
+    order, bound = compact_bound(
+        item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds
+    )
     makespan, peak = replay(order, costs)
+    if memo is not None:
+        memo[key] = (cap, bound, order, makespan, peak)
     return _Scored(makespan, peak, item.name, item.gen, order, cap)
 
 
@@ -311,6 +325,7 @@ class _Curve:
         self.compacted: list[_Scored] = []  # on the horizon, each tagged with the cap it was compacted under
         self.final: list[_Scored] = []  # for all m microbatches
         self.seen: set[tuple[str, int]] = set()
+        self.memo: dict = {}  # compactions, for reuse at larger caps (see `_compacted`)
 
     def best(self, cap: int) -> _Scored | None:
         while self.done_cap < cap:
@@ -340,7 +355,7 @@ class _Curve:
             if (item.name, cap) not in self.seen:
                 self.seen.add((item.name, cap))
                 rounds = 3 if self.horizon == self.m else _SCREENING_ROUNDS
-                fresh.append(_compacted(item, self.costs, cap, rounds))
+                fresh.append(_compacted(item, self.costs, cap, rounds, self.memo))
         self.compacted += fresh
         if self.horizon == self.m:
             self.final += fresh
@@ -356,7 +371,7 @@ class _Curve:
             self.seen.add((pick.name, pick.cap, "full"))
             full = _score(pick.gen, self.m, self.costs)
             if full is not None and full.peak <= pick.cap:
-                self.final.append(_compacted(full, self.costs, pick.cap))
+                self.final.append(_compacted(full, self.costs, pick.cap, memo=self.memo))
 
 
 def _quota(ranked: list[_Scored], keep: int) -> list[_Scored]:
