@@ -160,10 +160,29 @@ def test_disk_cache_returns_the_searched_order(tmp_path, monkeypatch):
         adaptive_v_order(3, 6, 0.75, SKEWED)
 
 
-def test_no_cache_without_the_variable(tmp_path, monkeypatch):
+def test_cache_is_on_by_default_and_can_be_moved_or_disabled(tmp_path, monkeypatch):
     from pp_offload.order import cache
 
     monkeypatch.delenv(cache.ENV, raising=False)
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_dir() == tmp_path / "xdg" / "pp_offload" / "orders"
+    order = adaptive_v_order(2, 4, 0.75)
+    assert len(list((tmp_path / "xdg").rglob("v-order-*.json"))) == 1
+    assert cache.load(2, 4, Costs(), 3) == order
+    for off in ("off", "0", ""):
+        monkeypatch.setenv(cache.ENV, off)
+        assert cache.cache_dir() is None
+        assert cache.load(2, 4, Costs(), 3) is None
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "moved"))
     adaptive_v_order(2, 4, 0.75)
-    assert not list(tmp_path.rglob("*.json"))
+    assert len(list((tmp_path / "moved").glob("v-order-*.json"))) == 1
+
+
+def test_cache_survives_an_unwritable_directory(tmp_path, monkeypatch):
+    from pp_offload.order import cache
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(cache.ENV, str(blocker / "orders"))
+    assert adaptive_v_order(2, 4, 0.75) == adaptive_v_order(2, 4, 0.75)  # searched, not cached, no error
+    assert not list(tmp_path.rglob("*.tmp"))

@@ -36,6 +36,7 @@ from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
 from pp_offload.order.compact import compact_bound
 from pp_offload.order.cooldown import diagonal_cooldown
+from pp_offload.order.extend import extend_order
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
 from pp_offload.order.replay import replay
 from pp_offload.order.rhythm import rhythm_v_order
@@ -46,9 +47,10 @@ _MAX_DOWN_OFFSET = 4
 # after compaction, crowding better candidates out of the shortlist: measured worse at d=8.
 _TURN_F = (1,)
 _COMPACTED_CANDIDATES = 5
-_FINALISTS = 1
 _BELOW = 2
-_SCREENING_ROUNDS = 1  # compaction rounds on the short horizon, where compaction only ranks
+_ROUNDS = 3  # compaction rounds of a cap's fastest candidates (the others get one)
+_LEADS = 3  # how many of a cap's candidates are the fastest
+_DEEP_LEADS = 2
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -164,6 +166,17 @@ _EVERY_CAP_POLICIES = (
 )
 
 
+# Below V-Min's cap, the policies that won there (census over d in {4, 8, 16}, both cost models).
+_LOW_POLICIES = (
+    GreedyPolicy(1, False, False, False, False),
+    GreedyPolicy(1, False, True, False, False),
+    GreedyPolicy(1, False, True, False, True),
+    GreedyPolicy(1, True, True, False, False),
+    GreedyPolicy(1, True, True, False, True),
+)
+_DEEP = 8  # beyond this many ranks the search is trimmed to what won there (see `_greedy_caps`)
+
+
 @dataclass(frozen=True)
 class _Generator:
     """One candidate: a name and how to build its order for any number of microbatches."""
@@ -185,6 +198,10 @@ def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
     d = num_ranks
     low = min(max_cap, v_min_cap(d))
     stride = max(1, d // 4)
+    if d > _DEEP:
+        # Beyond d=8 greedy orders never won from V-Min's cap up (blocks with their drain rewritten
+        # did, at every cap of the sweep): only the floor below V-Min and 1F1B's memory are kept.
+        return sorted(set(range(2, low, stride)) | {max_cap})
     caps = set(range(2, low, stride)) | set(range(low, max_cap + 1, 1 if d <= 8 else stride))
     caps |= {max_cap, low, min(max_cap, v_half_cap(d))}
     return sorted(caps)
@@ -217,7 +234,9 @@ def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Ge
     max_cap = one_f_one_b_peak(d, num_microbatches)
     for cap in _greedy_caps(d, max_cap):
         policies = [(costs, p) for p in _EVERY_CAP_POLICIES]
-        if cap == max_cap or cap < v_min_cap(d):
+        if cap < v_min_cap(d):
+            policies = [(shape, p) for shape, p in shaped if p in _LOW_POLICIES]
+        elif cap == max_cap and d <= _DEEP:
             policies = shaped
         gens += [
             _Generator(
@@ -274,24 +293,26 @@ def _measure(gen: _Generator, order: Order, costs: Costs) -> _Scored | None:
     return _Scored(makespan, peak, gen.name, gen, order)
 
 
-def _compacted(item: _Scored, costs: Costs, cap: int, rounds: int = 3, memo: dict | None = None) -> _Scored:
+def _compacted(
+    item: _Scored, costs: Costs, cap: int, rounds: int = 3, memo: dict | None = None, tag: str = ""
+) -> _Scored:
     """``item`` with its gaps filled, its peak kept within ``cap``.
 
     ``memo`` (one per search) remembers each order's compaction; one the cap never constrained is reused
     as is for any larger cap (`compact_bound`: the same decisions would be taken), which is what the
     search does when it compacts a candidate again at the next cap.
     """
-    key = (item.name, len(item.order[0]), rounds)
+    key = (tag, item.name, len(item.order[0]), rounds)
     if memo is not None and key in memo:
-        under, bound, order, makespan, peak = memo[key]
-        if not bound and under <= cap:
+        source, under, bound, order, makespan, peak = memo[key]
+        if not bound and under <= cap and source == item.order:
             return _Scored(makespan, peak, item.name, item.gen, order, cap)
     order, bound = compact_bound(
         item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds
     )
     makespan, peak = replay(order, costs)
     if memo is not None:
-        memo[key] = (cap, bound, order, makespan, peak)
+        memo[key] = (item.order, cap, bound, order, makespan, peak)
     return _Scored(makespan, peak, item.name, item.gen, order, cap)
 
 
@@ -312,7 +333,7 @@ class _Curve:
 
     def __init__(self, num_ranks: int, num_microbatches: int, costs: Costs) -> None:
         self.d, self.m, self.costs = num_ranks, num_microbatches, costs
-        self.horizon = min(num_microbatches, 3 * num_ranks)
+        self.horizon = min(num_microbatches, (3 if num_ranks <= _DEEP else 2) * num_ranks)
         gens = _generators(num_ranks, num_microbatches, costs)
         # Greedy orders are the costliest to build: each joins when the search reaches its cap (and
         # only then, whatever its peak), so a small limit never pays for the large caps' greedy runs.
@@ -322,7 +343,6 @@ class _Curve:
         self.ranked: list[_Scored] = []
         self._admit(0)
         self.done_cap = 1
-        self.compacted: list[_Scored] = []  # on the horizon, each tagged with the cap it was compacted under
         self.final: list[_Scored] = []  # for all m microbatches
         self.seen: set[tuple[str, int]] = set()
         self.memo: dict = {}  # compactions, for reuse at larger caps (see `_compacted`)
@@ -354,24 +374,56 @@ class _Curve:
         for item in at + below + canonical:
             if (item.name, cap) not in self.seen:
                 self.seen.add((item.name, cap))
-                rounds = 3 if self.horizon == self.m else _SCREENING_ROUNDS
-                fresh.append(_compacted(item, self.costs, cap, rounds, self.memo))
-        self.compacted += fresh
-        if self.horizon == self.m:
-            self.final += fresh
+                short = self._short(item, cap)
+                if short is not None:
+                    fresh.append(short)
+        if not fresh:
             return
-        # finalists of this cap: the fastest compacted under it, and the fastest of the caps below
-        ranked = sorted(self.compacted, key=lambda i: (i.makespan, i.name))
-        picks = (
-            _quota([i for i in ranked if i.cap == cap], _FINALISTS) + [i for i in ranked if i.cap < cap][:1]
-        )
-        for pick in picks:
-            if (pick.name, pick.cap, "full") in self.seen:
-                continue
-            self.seen.add((pick.name, pick.cap, "full"))
-            full = _score(pick.gen, self.m, self.costs)
-            if full is not None and full.peak <= pick.cap:
-                self.final.append(_compacted(full, self.costs, pick.cap, memo=self.memo))
+        # One round of compaction ranks this cap's shortlist; only its fastest gets the full three (the
+        # rounds continue where the first stopped, so this is exactly a three-round compaction of it).
+        keep = _LEADS if self.d <= _DEEP else _DEEP_LEADS
+        leads = sorted(fresh, key=lambda i: (i.makespan, i.name))[:keep]
+        for short in fresh:
+            lead = short in leads
+            if lead:
+                short = _compacted(short, self.costs, cap, _ROUNDS - 1, self.memo, tag="more")
+            final = self._lengthened(short, cap, fallback=lead)
+            if final is not None:
+                self.final.append(final)
+
+    def _short(self, item: _Scored, cap: int) -> _Scored | None:
+        """``item`` on the compaction horizon of ``cap``, compacted under ``cap`` (one round)."""
+        horizon = self.compaction_horizon(cap)
+        built = item if len(item.order[0]) == 6 * horizon else _score(item.gen, horizon, self.costs)
+        if built is None:
+            return None
+        return _compacted(built, self.costs, cap, 1, self.memo)
+
+    def _lengthened(self, short: _Scored, cap: int, fallback: bool) -> _Scored | None:
+        """``short`` lengthened to all ``m`` microbatches by repeating its steady phase (`extend_order`);
+        with ``fallback``, rebuilt and compacted for all ``m`` when it shows no steady phase."""
+        horizon = len(short.order[0]) // 6
+        if horizon == self.m:
+            return short
+        longer = extend_order(short.order, self.m - horizon)
+        if longer is not None:
+            try:
+                makespan, peak = replay(longer, self.costs)
+            except OrderDeadlockError:
+                peak = cap + 1
+            if peak <= cap:
+                return _Scored(makespan, peak, short.name, short.gen, longer, cap)
+        if not fallback:
+            return None
+        full = _score(short.gen, self.m, self.costs)
+        if full is None or full.peak > cap:
+            return None
+        return _compacted(full, self.costs, cap, _ROUNDS, self.memo)
+
+    def compaction_horizon(self, cap: int) -> int:
+        """Microbatches an order is compacted on under ``cap``: enough for its warm-up, a steady phase of
+        a few periods and its drain (about cap / 2 microbatches each); `extend_order` does the rest."""
+        return min(self.m, cap + 8)
 
 
 def _quota(ranked: list[_Scored], keep: int) -> list[_Scored]:
