@@ -186,3 +186,35 @@ def test_cache_survives_an_unwritable_directory(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.ENV, str(blocker / "orders"))
     assert adaptive_v_order(2, 4, 0.75) == adaptive_v_order(2, 4, 0.75)  # searched, not cached, no error
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+# --- lengthening an order by its steady phase -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("d", "short", "m"), [(3, 9, 10), (4, 12, 20), (8, 24, 40)])
+def test_extend_repeats_the_steady_phase(d, short, m):
+    from pp_offload.order.extend import extend_order
+
+    block = v_block(d, down=[2] * (d - 1), backward_delay=4, turn_f=1, turn_b=2)
+    assert extend_order(block.repeat(short), m - short) == block.repeat(m)
+    assert extend_order(rhythm_v_order(d, short), m - short) == rhythm_v_order(d, m)
+    assert extend_order(block.repeat(short), 0) == block.repeat(short)
+
+
+def test_extend_refuses_an_order_without_a_steady_phase():
+    from pp_offload.order.extend import extend_order
+
+    block = v_block(4, down=[2] * 3, backward_delay=4, turn_f=1, turn_b=2)
+    assert extend_order(block.repeat(2), 5) is None  # two microbatches: all warm-up and drain
+    with pytest.raises(ValueError, match="extra must be >= 0"):
+        extend_order(block.repeat(8), -1)
+
+
+def test_search_lengthens_compacted_orders_within_the_cap():
+    # m = 40 > the compaction horizon: every returned order was lengthened (or rebuilt), never above its cap
+    d, m = 4, 40
+    reference = one_f_one_b_peak(d, m)
+    for cap in (4, 6, 8):
+        order = adaptive_v_order(d, m, cap / reference, SKEWED)
+        assert sorted(Counter(a.stage_index for a in order[0]).values()) == [3 * m, 3 * m]
+        assert simulate(order, SKEWED).peak <= cap

@@ -422,8 +422,10 @@ class _Curve:
 
     def compaction_horizon(self, cap: int) -> int:
         """Microbatches an order is compacted on under ``cap``: enough for its warm-up, a steady phase of
-        a few periods and its drain (about cap / 2 microbatches each); `extend_order` does the rest."""
-        return min(self.m, cap + 8)
+        a few periods and its drain (about cap / 2 microbatches each); `extend_order` does the rest.
+        Deeper pipelines settle later (d=16, m=64, 3:4:2: cap 25 needs cap + 16 to reach the bubble a
+        full-length compaction finds)."""
+        return min(self.m, cap + max(8, self.d))
 
 
 def _quota(ranked: list[_Scored], keep: int) -> list[_Scored]:
