@@ -187,6 +187,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--adaptive-d", default="4,8,16", help="comma-separated d of the adaptive sweep (4,8,16)")
     p.add_argument(
+        "--no-adaptive", action="store_true", help="skip part 4 (run it alone with --adaptive-only)"
+    )
+    p.add_argument(
         "--construction-max-d", type=int, default=32, help="largest d of the construction-time table (32)"
     )
     return p.parse_args(argv)
@@ -497,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{r['schedule']} d={r['d']} m={r['m']} {r['gen_seconds']:.1f}s" for r in slow_sweep)
     )
     payload["sweep"] = {"rows": sweep_rows, "counts": counts, "max_d": max_d}
-    if not args.quick:
+    if not args.quick and not args.no_adaptive:
         payload["adaptive_sweep"] = run_adaptive_sweep(args)["summary"]
     payload["runtime_seconds"] = {"table": table_seconds, "sweep": sweep_seconds, "total": total}
     _write(payload, args.out)
