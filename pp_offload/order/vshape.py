@@ -50,7 +50,7 @@ _COMPACTED_CANDIDATES = 5
 _BELOW = 2
 _ROUNDS = 3  # compaction rounds of a cap's fastest candidates (the others get one)
 _LEADS = 3  # how many of a cap's candidates are the fastest
-_DEEP_LEADS = 2
+_DEEP_LEADS = 2  # beyond d=8
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -300,7 +300,8 @@ def _compacted(
 
     ``memo`` (one per search) remembers each order's compaction; one the cap never constrained is reused
     as is for any larger cap (`compact_bound`: the same decisions would be taken), which is what the
-    search does when it compacts a candidate again at the next cap.
+    search does when it compacts a candidate again at the next cap on the same horizon (once the
+    compaction horizon reaches ``m``).
     """
     key = (tag, item.name, len(item.order[0]), rounds)
     if memo is not None and key in memo:
@@ -326,9 +327,11 @@ class _Curve:
 
     Per cap ``c``: the ``_COMPACTED_CANDIDATES`` fastest candidates whose peak is ``c`` and the
     ``_BELOW`` fastest with a smaller peak (compaction may spend the spare memory to fill gaps) are
-    compacted under ``c``. Staged so that large d and m stay fast: candidates are replayed and compacted
-    on a short horizon (``3d`` microbatches hold a full steady phase); the fastest compacted ones of cap
-    ``c`` are then built for all ``m`` microbatches and compacted again under ``c``.
+    compacted under ``c``. Staged so that large d and m stay fast: candidates are ranked by a replay on a
+    short horizon (``3d`` microbatches, ``2d`` beyond d=8); the shortlist is built for
+    `compaction_horizon` microbatches and compacted one round, its ``_LEADS`` fastest two more, and each is
+    lengthened to all ``m`` by repeating its steady phase (`extend_order`), rebuilt and compacted for all
+    ``m`` only when a lead has none.
     """
 
     def __init__(self, num_ranks: int, num_microbatches: int, costs: Costs) -> None:
@@ -379,8 +382,8 @@ class _Curve:
                     fresh.append(short)
         if not fresh:
             return
-        # One round of compaction ranks this cap's shortlist; only its fastest gets the full three (the
-        # rounds continue where the first stopped, so this is exactly a three-round compaction of it).
+        # One round of compaction ranks this cap's shortlist; only its fastest few get the full three (the
+        # rounds continue where the first stopped, so that is exactly a three-round compaction).
         keep = _LEADS if self.d <= _DEEP else _DEEP_LEADS
         leads = sorted(fresh, key=lambda i: (i.makespan, i.name))[:keep]
         for short in fresh:
