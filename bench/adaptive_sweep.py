@@ -42,6 +42,49 @@ REFERENCE: dict[tuple[int, int, str, int], tuple[float, str]] = {
 }
 
 
+# (d, m) of the construction-time table: what a user pays at start-up for V-ZB (the whole curve).
+CONSTRUCTION = ((4, 16), (8, 32), (16, 64), (32, 128))
+
+
+def construction_time(d: int, m: int, costs_name: str) -> dict[str, Any]:
+    """CPU seconds to build V-ZB's order (the whole curve of the search) cold, with no disk cache, and
+    again from a warm disk cache (a fresh temporary directory, filled by the cold run)."""
+    import os
+    import tempfile
+
+    from pp_offload.order import cache, vshape
+
+    costs = COSTS[costs_name]
+    limit = 2 * d / vshape.one_f_one_b_peak(d, m)
+    saved = os.environ.get(cache.ENV)
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            os.environ[cache.ENV] = root
+            vshape._curve.cache_clear()
+            start = time.process_time()
+            cold = vshape.adaptive_v_order(d, m, limit, costs)
+            cold_s = time.process_time() - start
+            vshape._curve.cache_clear()  # a new process: only the disk cache is left
+            start = time.process_time()
+            warm = vshape.adaptive_v_order(d, m, limit, costs)
+            cached_s = time.process_time() - start
+    finally:
+        if saved is None:
+            os.environ.pop(cache.ENV, None)
+        else:
+            os.environ[cache.ENV] = saved
+    assert warm == cold
+    return {"d": d, "m": m, "costs": costs_name, "cold_seconds": cold_s, "cached_seconds": cached_s}
+
+
+def print_construction(rows: list[dict[str, Any]]) -> None:
+    print("\nConstruction time of V-ZB's order (the whole curve), CPU seconds")
+    print(f"  {'d':>3} {'m':>4} {'costs':>6} {'cold':>7} {'cached':>7}")
+    for r in rows:
+        cold, cached = r["cold_seconds"], r["cached_seconds"]
+        print(f"  {r['d']:>3} {r['m']:>4} {r['costs']:>6} {cold:>7.2f} {cached:>7.3f}")
+
+
 def floor_bubble(d: int, m: int, costs: dict[str, float]) -> float:
     """Lowest bubble (%) any V order can have with these costs and no comm latency."""
     fill = (d - 1) * costs["F"]

@@ -160,10 +160,91 @@ def test_disk_cache_returns_the_searched_order(tmp_path, monkeypatch):
         adaptive_v_order(3, 6, 0.75, SKEWED)
 
 
-def test_no_cache_without_the_variable(tmp_path, monkeypatch):
+def test_cache_is_on_by_default_and_can_be_moved_or_disabled(tmp_path, monkeypatch):
     from pp_offload.order import cache
 
     monkeypatch.delenv(cache.ENV, raising=False)
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_dir() == tmp_path / "xdg" / "pp_offload" / "orders"
+    order = adaptive_v_order(2, 4, 0.75)
+    assert len(list((tmp_path / "xdg").rglob("v-order-*.json"))) == 1
+    assert cache.load(2, 4, Costs(), 3) == order
+    for off in ("off", "0", ""):
+        monkeypatch.setenv(cache.ENV, off)
+        assert cache.cache_dir() is None
+        assert cache.load(2, 4, Costs(), 3) is None
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "moved"))
     adaptive_v_order(2, 4, 0.75)
-    assert not list(tmp_path.rglob("*.json"))
+    assert len(list((tmp_path / "moved").glob("v-order-*.json"))) == 1
+
+
+def test_cache_survives_an_unwritable_directory(tmp_path, monkeypatch):
+    from pp_offload.order import cache
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(cache.ENV, str(blocker / "orders"))
+    assert adaptive_v_order(2, 4, 0.75) == adaptive_v_order(2, 4, 0.75)  # searched, not cached, no error
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+# --- lengthening an order by its steady phase -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("d", "short", "m"), [(3, 9, 10), (4, 12, 20), (8, 24, 40)])
+def test_extend_repeats_the_steady_phase(d, short, m):
+    from pp_offload.order.extend import extend_order
+
+    block = v_block(d, down=[2] * (d - 1), backward_delay=4, turn_f=1, turn_b=2)
+    assert extend_order(block.repeat(short), m - short) == block.repeat(m)
+    assert extend_order(rhythm_v_order(d, short), m - short) == rhythm_v_order(d, m)
+    assert extend_order(block.repeat(short), 0) == block.repeat(short)
+
+
+def test_extend_refuses_an_order_without_a_steady_phase():
+    from pp_offload.order.extend import extend_order
+
+    block = v_block(4, down=[2] * 3, backward_delay=4, turn_f=1, turn_b=2)
+    assert extend_order(block.repeat(2), 5) is None  # two microbatches: all warm-up and drain
+    with pytest.raises(ValueError, match="extra must be >= 0"):
+        extend_order(block.repeat(8), -1)
+
+
+def test_search_lengthens_compacted_orders_within_the_cap():
+    # m = 40 > the compaction horizon: every returned order was lengthened (or rebuilt), never above its cap
+    d, m = 4, 40
+    reference = one_f_one_b_peak(d, m)
+    for cap in (4, 6, 8):
+        order = adaptive_v_order(d, m, cap / reference, SKEWED)
+        assert sorted(Counter(a.stage_index for a in order[0]).values()) == [3 * m, 3 * m]
+        assert simulate(order, SKEWED).peak <= cap
+
+
+# --- the warm-up rewrite ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "order"), SAMPLES, ids=[n for n, _ in SAMPLES])
+def test_warmup_keeps_every_pass_and_lane_order(name, order):
+    from pp_offload.order.warmup import warmup_rewrite
+
+    warmed = warmup_rewrite(order)
+    assert warmed is not None
+    d = len(order)
+    for rank in range(d):
+        assert Counter(warmed[rank]) == Counter(order[rank]), name
+        for stage in v_stages(rank, d):
+            for kind in "FIW":
+                lane = [
+                    a.microbatch_index
+                    for a in warmed[rank]
+                    if (a.stage_index, a.computation_type) == (stage, kind)
+                ]
+                assert lane == sorted(lane), (name, rank, stage, kind)
+
+
+def test_warmup_rewrite_reaches_the_reference_at_d4_limit5():
+    # issue 14's reference value for d=4, m=16, unit costs, 5 chunk units: 7.7% (8.6% without the rewrite)
+    order = adaptive_v_order(4, 16, 5 / 8, UNIT)
+    result = simulate(order, UNIT)
+    assert result.peak <= 5
+    assert round(100 * result.bubble, 1) <= 7.7

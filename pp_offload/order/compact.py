@@ -12,6 +12,8 @@ runtime and lowering expect.
 
 from __future__ import annotations
 
+import heapq
+
 from pp_offload.order.actions import Action, B, Costs, F, I, Order, W
 from pp_offload.order.replay import is_v_order, replay_ranks
 from pp_offload.sim import dependency, simulate
@@ -32,21 +34,41 @@ def compact(
     ``memory_cap`` (rank -> chunk units) defaults to each rank's peak in the squeezed ``order``.
     ``lookahead`` bounds how far down its list a rank looks for a filler (default: 6 x ranks).
     """
+    return compact_bound(order, costs, memory_cap=memory_cap, lookahead=lookahead, rounds=rounds)[0]
+
+
+def compact_bound(
+    order: Order,
+    costs: Costs,
+    *,
+    memory_cap: dict[int, float] | None = None,
+    lookahead: int | None = None,
+    rounds: int = 3,
+) -> tuple[Order, bool]:
+    """`compact`, and whether ``memory_cap`` decided anything (turned a forward down or rejected a round).
+
+    Why: when it did not, compacting the same order under any larger cap takes exactly the same
+    decisions, so the adaptive search (which compacts one candidate under cap after cap) can reuse the
+    result instead of recomputing it.
+    """
     measure = _replay_ranks if is_v_order(order) else _simulate_ranks
     base_time, base_peaks = measure(order, costs)
     caps = dict(base_peaks) if memory_cap is None else dict(memory_cap)
     best, best_time = order, base_time
+    bound = False
     for _ in range(rounds):
         improved = False
         for promote in (False, True):
-            candidate = _fill_once(best, costs, caps, lookahead or 6 * len(order), promote)
+            candidate, hit = _fill_once(best, costs, caps, lookahead or 6 * len(order), promote)
+            bound = bound or hit
             makespan, peaks = measure(candidate, costs)
             fits = all(peaks[r] <= caps[r] + _EPS for r in candidate)
+            bound = bound or not fits
             if fits and makespan < best_time - _EPS:
                 best, best_time, improved = candidate, makespan, True
         if not improved:
             break
-    return best
+    return best, bound
 
 
 def _replay_ranks(order: Order, costs: Costs) -> tuple[float, dict[int, float]]:
@@ -61,10 +83,15 @@ def _simulate_ranks(order: Order, costs: Costs) -> tuple[float, dict[int, float]
 
 def _fill_once(
     order: Order, costs: Costs, caps: dict[int, float], lookahead: int, promote_input_grads: bool
-) -> Order:
-    """One pass of gap filling. With ``promote_input_grads`` a ready I also jumps ahead of a pending W:
-    I passes are on the critical path of the other ranks, W passes only free memory, and moving an I
-    earlier changes no rank's memory."""
+) -> tuple[Order, bool]:
+    """One pass of gap filling, and whether the memory cap turned any forward down. With
+    ``promote_input_grads`` a ready I also jumps ahead of a pending W: I passes are on the critical path
+    of the other ranks, W passes only free memory, and moving an I earlier changes no rank's memory.
+
+    Event-driven: the rank that runs next is the one whose head pass can start first (lowest rank on
+    ties), kept in a heap; a commit only changes the start of its own rank's head and of the heads
+    waiting on the pass it ends, so each pass costs O(log d) instead of a scan of every rank.
+    """
     ranks = sorted(order)
     num_stages = max(a.stage_index for r in ranks for a in order[r]) + 1
     scale = 2.0 * len(ranks) / num_stages
@@ -75,25 +102,46 @@ def _fill_once(
     live = {r: 0.0 for r in ranks}
     end: dict[tuple[int, str, int], tuple[float, int]] = {}
     result: Order = {r: [] for r in ranks}
-    deps = {
-        a: dependency(a.stage_index, a.computation_type, a.microbatch_index, num_stages)
-        for r in ranks
-        for a in queues[r]
-    }
+    deps = {}
+    waiters: dict[tuple[int, str, int], list[int]] = {}  # pass key -> ranks holding a pass that needs it
+    for r in ranks:
+        for a in queues[r]:
+            dep = dependency(a.stage_index, a.computation_type, a.microbatch_index, num_stages)
+            deps[a] = dep
+            if dep is not None:
+                waiters.setdefault(dep, []).append(r)
+    lanes = {r: _lanes(queues[r]) for r in ranks}
+    comm = costs.comm
+    cost_of = {kind: costs.of(kind) * scale for kind in (F, I, W, B)}
 
     def ready_time(rank: int, action: Action) -> float | None:
         dep = deps[action]
         if dep is None:
             return 0.0
-        if dep not in end:
+        found = end.get(dep)
+        if found is None:
             return None
-        finish, producer = end[dep]
-        return finish + (costs.comm if producer != rank else 0.0)
+        finish, producer = found
+        return finish + (comm if producer != rank else 0.0)
+
+    heap: list[tuple[float, int]] = []
+    current: dict[int, float | None] = {}
+
+    def refresh(r: int) -> None:
+        start = None
+        if head[r] < len(queues[r]):
+            ready = ready_time(r, queues[r][head[r]])
+            if ready is not None:
+                start = clock[r] if clock[r] > ready else ready
+        if start != current.get(r):
+            current[r] = start
+            if start is not None:
+                heapq.heappush(heap, (start, r))
 
     def commit(rank: int, idx: int, start: float) -> None:
         action = queues[rank][idx]
         kind = action.computation_type
-        finish = start + costs.of(kind) * scale
+        finish = start + cost_of[kind]
         key = (action.stage_index, I if kind == B else kind, action.microbatch_index)
         end[key] = (finish, rank)
         clock[rank] = finish
@@ -105,27 +153,26 @@ def _fill_once(
         result[rank].append(action)
         while head[rank] < len(queues[rank]) and done[rank][head[rank]]:
             head[rank] += 1
+        refresh(rank)
+        for r in waiters.get(key, ()):
+            if r != rank:
+                refresh(r)
 
+    for r in ranks:
+        refresh(r)
+    cap_bound = [False]
     remaining = sum(len(q) for q in queues.values())
     while remaining:
-        pick = None
-        for r in ranks:
-            if head[r] >= len(queues[r]):
-                continue
-            ready = ready_time(r, queues[r][head[r]])
-            if ready is None:
-                continue
-            start = max(clock[r], ready)
-            if pick is None or start < pick[1]:
-                pick = (r, start)
-        if pick is None:
+        while heap and current.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # stale: that rank's head start changed since
+        if not heap:
             stuck = {r: str(queues[r][head[r]]) for r in ranks if head[r] < len(queues[r])}
             raise ValueError(f"order cannot complete; blocked actions per rank: {stuck}")
-        rank, head_start = pick
+        head_start, rank = heap[0]
         filler = None
         if promote_input_grads and queues[rank][head[rank]].computation_type == W:
             filler = _find_ready_input_grad(
-                rank, queues[rank], done[rank], head[rank], lookahead, ready_time, clock[rank]
+                rank, queues[rank], done[rank], head[rank], lookahead, ready_time, clock[rank], lanes[rank]
             )
         if filler is None and head_start > clock[rank] + _EPS:
             filler = _find_filler(
@@ -139,18 +186,27 @@ def _fill_once(
                 clock[rank],
                 live[rank],
                 caps[rank],
-                costs,
+                cost_of,
                 scale,
+                lanes[rank],
+                cap_bound,
             )
         if filler is not None:
             commit(rank, *filler)
         else:
             commit(rank, head[rank], head_start)
         remaining -= 1
-    return result
+    return result, cap_bound[0]
 
 
-def _window(queue, done, first, lookahead, blocked):
+def _lanes(queue: list[Action]) -> tuple[int, int]:
+    """How many (stage, kind) lanes a rank's list has in all, and how many of them are input gradients:
+    a window scan can stop once it has met them all (later passes are blocked behind their lane)."""
+    kinds = {(a.stage_index, a.computation_type) for a in queue}
+    return len(kinds), sum(1 for _, kind in kinds if kind in (I, B))
+
+
+def _window(queue, done, first, lookahead, blocked, num_lanes):
     """Not-yet-run passes from ``first`` on, at most ``lookahead`` of them, each the earliest of its
     (stage, kind) lane: a pass may overtake others, but never one of its own lane (microbatch order)."""
     seen = 0
@@ -158,7 +214,7 @@ def _window(queue, done, first, lookahead, blocked):
         if done[idx]:
             continue
         seen += 1
-        if seen > lookahead:
+        if seen > lookahead or len(blocked) >= num_lanes:
             return
         action = queue[idx]
         lane = (action.stage_index, action.computation_type)
@@ -168,29 +224,46 @@ def _window(queue, done, first, lookahead, blocked):
         yield idx, action
 
 
-def _find_filler(rank, head_start, queue, done, head, lookahead, ready_time, now, live, cap, costs, scale):
-    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap."""
+def _find_filler(
+    rank, head_start, queue, done, head, lookahead, ready_time, now, live, cap, cost_of, scale, lanes, bound
+):
+    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap.
+    Sets ``bound[0]`` when the cap alone turned a forward down (a larger cap could decide otherwise)."""
     blocked = {(queue[head].stage_index, queue[head].computation_type)}
-    for idx, action in _window(queue, done, head + 1, lookahead, blocked):
+    for idx, action in _window(queue, done, head + 1, lookahead, blocked, lanes[0]):
         ready = ready_time(rank, action)
         if ready is None:
             continue
         start = max(now, ready)
-        if start + costs.of(action.computation_type) * scale > head_start + _EPS:
+        if start + cost_of[action.computation_type] > head_start + _EPS:
             continue
         if action.computation_type == F and not _fits_earlier(queue, done, head, idx, live, scale, cap):
+            bound[0] = True
             continue
         return idx, start
     return None
 
 
-def _find_ready_input_grad(rank, queue, done, head, lookahead, ready_time, now):
+def _find_ready_input_grad(rank, queue, done, head, lookahead, ready_time, now, lanes):
     """First I/B after the head that can start right now, keeping per-lane microbatch order."""
-    for idx, action in _window(queue, done, head, lookahead, set()):
-        if action.computation_type in (I, B):
-            ready = ready_time(rank, action)
-            if ready is not None and ready <= now + _EPS:
-                return idx, now
+    seen = 0
+    met = set()
+    for idx in range(head, len(queue)):
+        if done[idx]:
+            continue
+        seen += 1
+        if seen > lookahead or len(met) >= lanes[1]:
+            return None
+        action = queue[idx]
+        if action.computation_type not in (I, B):
+            continue
+        lane = (action.stage_index, action.computation_type)
+        if lane in met:
+            continue
+        met.add(lane)
+        ready = ready_time(rank, action)
+        if ready is not None and ready <= now + _EPS:
+            return idx, now
     return None
 
 

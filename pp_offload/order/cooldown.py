@@ -91,25 +91,33 @@ def _rewrite_rank(
         if a.computation_type == W:
             keep[idx] = False
             held[chunk_of[a.stage_index]] += 1
-    for idx, a in enumerate(actions):
+    # Everything before the first slot the rewrite touches stays as it is (most of the order): only the
+    # tail is re-sorted. A refilled W goes after the last kept W, so that slot bounds the tail too.
+    slots = [slot_of[(a.stage_index, a.computation_type, a.microbatch_index)] for a in actions]
+    kept_w = [slots[i] for i, a in enumerate(actions) if keep[i] and a.computation_type == W]
+    last_w = max(kept_w, default=-1.0)
+    cut = min([slots[i] for i in range(len(actions)) if not keep[i]] + [p[0] for p in placed] + [last_w + 1])
+    head = 0
+    while head < len(actions) and slots[head] < cut:
+        head += 1
+    pending = {0: 0, 1: 0}
+    counters = {(c, k): 0 for c in (0, 1) for k in (F, I, W)}
+    for a in actions[:head]:
+        c = chunk_of[a.stage_index]
+        pending[c] += a.computation_type == I
+        pending[c] -= a.computation_type == W
+        counters[(c, a.computation_type)] += 1
+    for idx in range(head, len(actions)):
         if keep[idx]:
-            placed.append(
-                (
-                    slot_of[(a.stage_index, a.computation_type, a.microbatch_index)],
-                    0,
-                    chunk_of[a.stage_index],
-                    a.computation_type,
-                )
-            )
+            a = actions[idx]
+            placed.append((slots[idx], 0, chunk_of[a.stage_index], a.computation_type))
     # 3. weight passes into free slots after the last kept one, chunk 1 first
     used = {slot for slot, *_ in placed}
-    last_w = max((slot for slot, _, _, kind in placed if kind == W), default=-1.0)
     timeline = sorted(placed)
-    pending = {0: 0, 1: 0}
     refill: list[tuple[float, int, int, str]] = []
     cursor = 0
-    end = max(used) + held[0] + held[1] + 1
-    slot = 0.0
+    end = max(used | {slots[head - 1] if head else -1.0}) + held[0] + held[1] + 1
+    slot = cut
     while slot <= end and (held[0] or held[1]):
         while cursor < len(timeline) and timeline[cursor][0] <= slot:
             _, _, c, kind = timeline[cursor]
@@ -130,8 +138,7 @@ def _rewrite_rank(
             refill.append((tail, 0, c, W))
             tail += 1
     # Per (chunk, kind) lane, microbatches in sequence order (torch's lowering expects it).
-    counters = {(c, k): 0 for c in (0, 1) for k in (F, I, W)}
-    result = []
+    result = actions[:head]
     for _, _, c, kind in sorted(placed + refill):
         result.append(Action(stages[c], kind, counters[(c, kind)]))
         counters[(c, kind)] += 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pp_offload.order.actions import Action, Costs, F, I, Order, W, v_stages
+from pp_offload.order.actions import Action, Costs, F, I, Order, W, v_rank_of_stage, v_stages
 from pp_offload.sim import dependency
 
 _EPS = 1e-9
@@ -43,6 +43,9 @@ def greedy_v_order(
 
 
 class _Greedy:
+    """The simulation's state. Hot loop of the search (one run per policy and cap): ready times are read
+    from per-(stage, kind) arrays and each pass's dependency is looked up in a table built once."""
+
     def __init__(self, d: int, m: int, costs: Costs, cap: float, policy: GreedyPolicy) -> None:
         self.d, self.m, self.costs, self.cap, self.policy = d, m, costs, cap, policy
         self.stages = [v_stages(r, d) for r in range(d)]
@@ -51,27 +54,46 @@ class _Greedy:
         self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(d)]  # (chunk, mb), I order
         self.clock = [0.0] * d
         self.live = [0] * d
-        self.end: dict[tuple[int, str, int], tuple[float, int]] = {}
+        self.last_kind: list[str | None] = [None] * d
         self.order: Order = {r: [] for r in range(d)}
         self.chunk_order = (1, 0) if policy.chunk1_first else (0, 1)
+        # end[stage][kind] -> finish time per microbatch (None: not run yet)
+        self.end = {(s, k): [None] * m for s in range(2 * d) for k in (F, I, W)}
+        # (rank, chunk, kind) -> (the end array of the pass it waits on, latency added) or None
+        self.deps = {}
+        for r in range(d):
+            for chunk in (0, 1):
+                for kind in (F, I, W):
+                    dep = dependency(self.stages[r][chunk], kind, 0, 2 * d)
+                    if dep is None:
+                        self.deps[(r, chunk, kind)] = None
+                    else:
+                        latency = costs.comm if v_rank_of_stage(dep[0], d) != r else 0.0
+                        self.deps[(r, chunk, kind)] = (self.end[(dep[0], dep[1])], latency)
+        self.duration = {F: costs.F, I: costs.I, W: costs.W}
 
     def run(self) -> Order | None:
         remaining = 6 * self.d * self.m
         unfinished = set(range(self.d))
         waiting: set[int] = set()  # ranks with nothing to do until another rank places a pass
+        clock = self.clock
         while remaining:
-            active = unfinished - waiting
-            if not active:
+            rank = None
+            for r in unfinished:
+                if r not in waiting and (rank is None or (clock[r], r) < (clock[rank], rank)):
+                    rank = r
+            if rank is None:
                 return None  # stalled: the memory cap is too tight for this policy
-            clock = self.clock
-            rank = min(active, key=lambda r: (clock[r], r))
             choice, next_ready = self._decide(rank)
             if choice is None:
-                now = self.clock[rank]
-                later = [self.clock[r] for r in active if self.clock[r] > now + _EPS]
-                known = [t for t in (next_ready, min(later, default=None)) if t is not None]
+                now = clock[rank]
+                later = None
+                for r in unfinished:
+                    if r not in waiting and clock[r] > now + _EPS and (later is None or clock[r] < later):
+                        later = clock[r]
+                known = [t for t in (next_ready, later) if t is not None]
                 if known:
-                    self.clock[rank] = min(known)
+                    clock[rank] = min(known)
                 else:
                     waiting.add(rank)
                 continue
@@ -83,63 +105,58 @@ class _Greedy:
         return self.order
 
     def _ready_at(self, rank: int, chunk: int, kind: str, mb: int) -> float | None:
-        dep = dependency(self.stages[rank][chunk], kind, mb, 2 * self.d)
+        dep = self.deps[(rank, chunk, kind)]
         if dep is None:
             return 0.0
-        if dep not in self.end:
-            return None
-        finish, producer = self.end[dep]
-        return finish + (self.costs.comm if producer != rank else 0.0)
+        finish = dep[0][mb]
+        return None if finish is None else finish + dep[1]
 
     def _decide(self, rank: int) -> tuple[tuple[int, str, int] | None, float | None]:
         """The pass ``rank`` runs now, and the earliest known time a not-yet-ready pass becomes ready."""
         now = self.clock[rank]
-        future: list[float] = []
-
-        def ready_now(chunk: int, kind: str, mb: int) -> bool:
-            ready = self._ready_at(rank, chunk, kind, mb)
-            if ready is not None and ready > now + _EPS:
-                future.append(ready)
-            return ready is not None and ready <= now + _EPS
-
-        history = self.order[rank]
-        if self.policy.eager_w and history and history[-1].computation_type == I:
+        policy = self.policy
+        last = self.last_kind[rank]
+        if policy.eager_w and last == I:
             chunk, mb = self.pending_w[rank][-1]
             return (chunk, W, mb), None
-
-        def input_grad():
-            ready = [
-                (self.next_i[rank][c], -c, c)
-                for c in (0, 1)
-                if self.next_i[rank][c] < self.next_f[rank][c] and ready_now(c, I, self.next_i[rank][c])
-            ]
-            if not ready:
-                return None
-            _, _, chunk = min(ready)
-            return chunk, I, self.next_i[rank][chunk]
-
-        def forward():
-            for chunk in self.chunk_order:
-                mb = self.next_f[rank][chunk]
-                room = self.cap - (self.policy.reserve if chunk == 0 else 0)
-                if mb < self.m and self.live[rank] + 1 <= room + _EPS and ready_now(chunk, F, mb):
-                    return chunk, F, mb
-            return None
-
-        after_backward = bool(history) and history[-1].computation_type != F
-        pickers = (forward, input_grad) if self.policy.alternate and after_backward else (input_grad, forward)
-        for picker in pickers:
-            choice = picker()
-            if choice is not None:
-                return choice, None
-        next_ready = min(future, default=None)
+        next_ready = None
+        # input gradients: the lowest microbatch that is ready, chunk 1 first on ties
+        next_i, next_f = self.next_i[rank], self.next_f[rank]
+        grad = None
+        for c in (1, 0):
+            mb = next_i[c]
+            if mb < next_f[c]:
+                ready = self._ready_at(rank, c, I, mb)
+                if ready is None:
+                    continue
+                if ready <= now + _EPS:
+                    if grad is None or mb < grad[2]:
+                        grad = (c, I, mb)
+                elif next_ready is None or ready < next_ready:
+                    next_ready = ready
+        # forwards: the first chunk in policy order that is ready and fits the memory cap
+        fwd = None
+        for c in self.chunk_order:
+            mb = next_f[c]
+            room = self.cap - (policy.reserve if c == 0 else 0)
+            if mb < self.m and self.live[rank] + 1 <= room + _EPS:
+                ready = self._ready_at(rank, c, F, mb)
+                if ready is None:
+                    continue
+                if ready <= now + _EPS:
+                    fwd = (c, F, mb)
+                    break
+                if next_ready is None or ready < next_ready:
+                    next_ready = ready
+        forward_first = policy.alternate and last is not None and last != F
+        first, second = (fwd, grad) if forward_first else (grad, fwd)
+        if first is not None:
+            return first, None
+        if second is not None:
+            return second, None
         if self.pending_w[rank]:
-            waits = (
-                self.policy.wait_for_input_grad
-                and next_ready is not None
-                and next_ready < now + self.costs.W - _EPS
-            )
-            if not waits:
+            soon = next_ready is not None and next_ready < now + self.costs.W - _EPS
+            if not (policy.wait_for_input_grad and soon):
                 chunk, mb = self.pending_w[rank][0]
                 return (chunk, W, mb), None
         return None, next_ready
@@ -147,9 +164,10 @@ class _Greedy:
     def _place(self, rank: int, chunk: int, kind: str, mb: int) -> None:
         stage = self.stages[rank][chunk]
         start = self.clock[rank]
-        self.clock[rank] = start + self.costs.of(kind)
-        self.end[(stage, kind, mb)] = (self.clock[rank], rank)
+        self.clock[rank] = start + self.duration[kind]
+        self.end[(stage, kind)][mb] = self.clock[rank]
         self.order[rank].append(Action(stage, kind, mb))
+        self.last_kind[rank] = kind
         if kind == F:
             self.next_f[rank][chunk] += 1
             self.live[rank] += 1

@@ -49,7 +49,10 @@ def replay_ranks(
     else:
         durations = [[costs.of_stage(a.stage_index, a.computation_type) for a in order[r]] for r in range(d)]
     comm = costs.comm
-    end: dict[tuple[int, str, int], float] = {}
+    num_mb = 1 + max((a.microbatch_index for r in range(d) for a in order[r]), default=0)
+    # end times per stage and microbatch (None: not run yet); lists, not a dict of tuples: hot loop
+    end_f = [[None] * num_mb for _ in range(2 * d)]
+    end_i = [[None] * num_mb for _ in range(2 * d)]
     clock = [0.0] * d
     pos = [0] * d
     level = [0] * d
@@ -67,35 +70,45 @@ def replay_ranks(
                     if stage == 0:
                         ready = 0.0
                     else:
-                        done = end.get((stage - 1, F, mb))
+                        done = end_f[stage - 1][mb]
                         if done is None:
                             break
                         ready = done if stage == d else done + comm
+                    if ready > t:
+                        t = ready
+                    if starts is not None:
+                        starts[(stage, kind, mb)] = t
+                    t += dur[p]
+                    end_f[stage][mb] = t
+                    level[r] += 1
+                    if level[r] > peaks[r]:
+                        peaks[r] = level[r]
                 elif kind == I:
                     if stage == last:
-                        done = end.get((stage, F, mb))
+                        done = end_f[stage][mb]
                         if done is None:
                             break
                         ready = done
                     else:
-                        done = end.get((stage + 1, I, mb))
+                        done = end_i[stage + 1][mb]
                         if done is None:
                             break
                         ready = done if stage == d - 1 else done + comm
+                    if ready > t:
+                        t = ready
+                    if starts is not None:
+                        starts[(stage, kind, mb)] = t
+                    t += dur[p]
+                    end_i[stage][mb] = t
                 else:
-                    done = end.get((stage, I, mb))
+                    done = end_i[stage][mb]
                     if done is None:
                         break
-                    ready = done
-                if starts is not None:
-                    starts[(stage, kind, mb)] = t if t > ready else ready
-                t = (t if t > ready else ready) + dur[p]
-                end[(stage, kind, mb)] = t
-                if kind == F:
-                    level[r] += 1
-                    if level[r] > peaks[r]:
-                        peaks[r] = level[r]
-                elif kind == W:
+                    if done > t:
+                        t = done
+                    if starts is not None:
+                        starts[(stage, kind, mb)] = t
+                    t += dur[p]
                     level[r] -= 1
                 p += 1
             if p != pos[r]:

@@ -10,7 +10,9 @@ candidates, judge them with the *real* costs, keep the fastest within the memory
 - 1F1B-rhythm orders (`pp_offload.order.rhythm`), full to shortest fill: robust to comm latency and
   skewed F/I/W costs (this is the structure of torch's ZBV schedule);
 - each of the above with its drain rewritten (`pp_offload.order.cooldown`): input gradients of the two
-  chunks interleaved on diagonals, weight passes held back to fill the drain.
+  chunks interleaved on diagonals, weight passes held back to fill the drain;
+- each of the above with its warm-up rewritten (`pp_offload.order.warmup`), alone and with the drain
+  rewrite after it.
 
 The best are compacted (`pp_offload.order.compact`: idle gaps filled without raising any rank's peak
 above the cap it is compacted under). The search is grown cap by cap (`_Curve`) and none of its choices
@@ -34,11 +36,13 @@ from functools import lru_cache, partial
 from pp_offload.order import cache as order_cache
 from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
-from pp_offload.order.compact import compact
+from pp_offload.order.compact import compact_bound
 from pp_offload.order.cooldown import diagonal_cooldown
+from pp_offload.order.extend import extend_order
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
 from pp_offload.order.replay import replay
 from pp_offload.order.rhythm import rhythm_v_order
+from pp_offload.order.warmup import warmup_rewrite
 from pp_offload.sim import OrderDeadlockError
 
 _MAX_DOWN_OFFSET = 4
@@ -46,9 +50,11 @@ _MAX_DOWN_OFFSET = 4
 # after compaction, crowding better candidates out of the shortlist: measured worse at d=8.
 _TURN_F = (1,)
 _COMPACTED_CANDIDATES = 5
-_FINALISTS = 1
 _BELOW = 2
-_SCREENING_ROUNDS = 1  # compaction rounds on the short horizon, where compaction only ranks
+_ROUNDS = 3  # compaction rounds of a cap's fastest candidates (the others get one)
+_LEADS = 3  # how many of a cap's candidates are the fastest
+_DEEP_LEADS = 2  # beyond d=8
+_WARM_QUOTA = 2  # warm-up rewritten candidates shortlisted per cap, besides the others
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -164,6 +170,17 @@ _EVERY_CAP_POLICIES = (
 )
 
 
+# Below V-Min's cap, the policies that won there (census over d in {4, 8, 16}, both cost models).
+_LOW_POLICIES = (
+    GreedyPolicy(1, False, False, False, False),
+    GreedyPolicy(1, False, True, False, False),
+    GreedyPolicy(1, False, True, False, True),
+    GreedyPolicy(1, True, True, False, False),
+    GreedyPolicy(1, True, True, False, True),
+)
+_DEEP = 8  # beyond this many ranks the search is trimmed to what won there (see `_greedy_caps`)
+
+
 @dataclass(frozen=True)
 class _Generator:
     """One candidate: a name and how to build its order for any number of microbatches."""
@@ -173,6 +190,7 @@ class _Generator:
     build: Callable[[int], Order | None]
     extra: bool = False  # a wide-offset block: shortlisted on its own quota (see `_Curve._grow`)
     cap: int = 0  # built under this memory cap (greedy): joins the search when it reaches that cap
+    warm: bool = False  # warm-up rewritten (`warmup_rewrite`): shortlisted on its own quota too
 
 
 def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
@@ -185,6 +203,10 @@ def _greedy_caps(num_ranks: int, max_cap: int) -> list[int]:
     d = num_ranks
     low = min(max_cap, v_min_cap(d))
     stride = max(1, d // 4)
+    if d > _DEEP:
+        # Beyond d=8 greedy orders never won from V-Min's cap up (blocks with their drain rewritten
+        # did, at every cap of the sweep): only the floor below V-Min and 1F1B's memory are kept.
+        return sorted(set(range(2, low, stride)) | {max_cap})
     caps = set(range(2, low, stride)) | set(range(low, max_cap + 1, 1 if d <= 8 else stride))
     caps |= {max_cap, low, min(max_cap, v_half_cap(d))}
     return sorted(caps)
@@ -217,7 +239,9 @@ def _generators(num_ranks: int, num_microbatches: int, costs: Costs) -> list[_Ge
     max_cap = one_f_one_b_peak(d, num_microbatches)
     for cap in _greedy_caps(d, max_cap):
         policies = [(costs, p) for p in _EVERY_CAP_POLICIES]
-        if cap == max_cap or cap < v_min_cap(d):
+        if cap < v_min_cap(d):
+            policies = [(shape, p) for shape, p in shaped if p in _LOW_POLICIES]
+        elif cap == max_cap and d <= _DEEP:
             policies = shaped
         gens += [
             _Generator(
@@ -247,18 +271,34 @@ class _Scored:
 
 
 def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -> list[_Scored]:
-    """The candidate, and the candidate with its drain rewritten: the real costs decide which is better."""
+    """The candidate, with its drain rewritten, with its warm-up rewritten, and with both: the real costs
+    decide which is better."""
     order = gen.build(num_microbatches)
     if order is None:
         return []
-    cooled_gen = _Generator(
-        f"cooldown({gen.name})", gen.canonical, partial(_with_cooldown, gen.build), gen.extra, gen.cap
-    )
-    cooled = diagonal_cooldown(order)
     found = [_measure(gen, order, costs)]
-    if cooled is not None:
-        found.append(_measure(cooled_gen, cooled, costs))
+    variants = [(gen, order)]
+    warmed = warmup_rewrite(order)
+    if warmed is not None and warmed != order:
+        warm_gen = _Generator(
+            f"warmup({gen.name})", gen.canonical, partial(_with_warmup, gen.build), gen.extra, gen.cap, True
+        )
+        found.append(_measure(warm_gen, warmed, costs))
+        variants.append((warm_gen, warmed))
+    for base, base_order in variants:
+        cooled = diagonal_cooldown(base_order)
+        if cooled is not None:
+            build = partial(_with_cooldown, base.build)
+            cooled_gen = _Generator(
+                f"cooldown({base.name})", base.canonical, build, base.extra, base.cap, base.warm
+            )
+            found.append(_measure(cooled_gen, cooled, costs))
     return [s for s in found if s is not None]
+
+
+def _with_warmup(build: Callable[[int], Order | None], num_microbatches: int) -> Order | None:
+    order = build(num_microbatches)
+    return None if order is None else warmup_rewrite(order)
 
 
 def _score(gen: _Generator, num_microbatches: int, costs: Costs) -> _Scored | None:
@@ -274,10 +314,27 @@ def _measure(gen: _Generator, order: Order, costs: Costs) -> _Scored | None:
     return _Scored(makespan, peak, gen.name, gen, order)
 
 
-def _compacted(item: _Scored, costs: Costs, cap: int, rounds: int = 3) -> _Scored:
-    """``item`` with its gaps filled, its peak kept within ``cap``."""
-    order = compact(item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds)
+def _compacted(
+    item: _Scored, costs: Costs, cap: int, rounds: int = 3, memo: dict | None = None, tag: str = ""
+) -> _Scored:
+    """``item`` with its gaps filled, its peak kept within ``cap``.
+
+    ``memo`` (one per search) remembers each order's compaction; one the cap never constrained is reused
+    as is for any larger cap (`compact_bound`: the same decisions would be taken), which is what the
+    search does when it compacts a candidate again at the next cap on the same horizon (once the
+    compaction horizon reaches ``m``).
+    """
+    key = (tag, item.name, len(item.order[0]), rounds)
+    if memo is not None and key in memo:
+        source, under, bound, order, makespan, peak = memo[key]
+        if not bound and under <= cap and source == item.order:
+            return _Scored(makespan, peak, item.name, item.gen, order, cap)
+    order, bound = compact_bound(
+        item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds
+    )
     makespan, peak = replay(order, costs)
+    if memo is not None:
+        memo[key] = (item.order, cap, bound, order, makespan, peak)
     return _Scored(makespan, peak, item.name, item.gen, order, cap)
 
 
@@ -291,14 +348,16 @@ class _Curve:
 
     Per cap ``c``: the ``_COMPACTED_CANDIDATES`` fastest candidates whose peak is ``c`` and the
     ``_BELOW`` fastest with a smaller peak (compaction may spend the spare memory to fill gaps) are
-    compacted under ``c``. Staged so that large d and m stay fast: candidates are replayed and compacted
-    on a short horizon (``3d`` microbatches hold a full steady phase); the fastest compacted ones of cap
-    ``c`` are then built for all ``m`` microbatches and compacted again under ``c``.
+    compacted under ``c``. Staged so that large d and m stay fast: candidates are ranked by a replay on a
+    short horizon (``3d`` microbatches, ``2d`` beyond d=8); the shortlist is built for
+    `compaction_horizon` microbatches and compacted one round, its ``_LEADS`` fastest two more, and each is
+    lengthened to all ``m`` by repeating its steady phase (`extend_order`), rebuilt and compacted for all
+    ``m`` only when a lead has none.
     """
 
     def __init__(self, num_ranks: int, num_microbatches: int, costs: Costs) -> None:
         self.d, self.m, self.costs = num_ranks, num_microbatches, costs
-        self.horizon = min(num_microbatches, 3 * num_ranks)
+        self.horizon = min(num_microbatches, (3 if num_ranks <= _DEEP else 2) * num_ranks)
         gens = _generators(num_ranks, num_microbatches, costs)
         # Greedy orders are the costliest to build: each joins when the search reaches its cap (and
         # only then, whatever its peak), so a small limit never pays for the large caps' greedy runs.
@@ -308,9 +367,9 @@ class _Curve:
         self.ranked: list[_Scored] = []
         self._admit(0)
         self.done_cap = 1
-        self.compacted: list[_Scored] = []  # on the horizon, each tagged with the cap it was compacted under
         self.final: list[_Scored] = []  # for all m microbatches
         self.seen: set[tuple[str, int]] = set()
+        self.memo: dict = {}  # compactions, for reuse at larger caps (see `_compacted`)
 
     def best(self, cap: int) -> _Scored | None:
         while self.done_cap < cap:
@@ -339,29 +398,70 @@ class _Curve:
         for item in at + below + canonical:
             if (item.name, cap) not in self.seen:
                 self.seen.add((item.name, cap))
-                rounds = 3 if self.horizon == self.m else _SCREENING_ROUNDS
-                fresh.append(_compacted(item, self.costs, cap, rounds))
-        self.compacted += fresh
-        if self.horizon == self.m:
-            self.final += fresh
+                short = self._short(item, cap)
+                if short is not None:
+                    fresh.append(short)
+        if not fresh:
             return
-        # finalists of this cap: the fastest compacted under it, and the fastest of the caps below
-        ranked = sorted(self.compacted, key=lambda i: (i.makespan, i.name))
-        picks = (
-            _quota([i for i in ranked if i.cap == cap], _FINALISTS) + [i for i in ranked if i.cap < cap][:1]
-        )
-        for pick in picks:
-            if (pick.name, pick.cap, "full") in self.seen:
-                continue
-            self.seen.add((pick.name, pick.cap, "full"))
-            full = _score(pick.gen, self.m, self.costs)
-            if full is not None and full.peak <= pick.cap:
-                self.final.append(_compacted(full, self.costs, pick.cap))
+        # One round of compaction ranks this cap's shortlist; only its fastest few get the full three (the
+        # rounds continue where the first stopped, so that is exactly a three-round compaction).
+        # Warm-up rewrites lead on a quota of their own, so that the other candidates are treated exactly
+        # as without them (every order found without the rewrite is still found).
+        keep = _LEADS if self.d <= _DEEP else _DEEP_LEADS
+        ranked = sorted(fresh, key=lambda i: (i.makespan, i.name))
+        leads = [i for i in ranked if not i.gen.warm][:keep] + [i for i in ranked if i.gen.warm][:1]
+        for short in fresh:
+            lead = short in leads
+            if lead:
+                short = _compacted(short, self.costs, cap, _ROUNDS - 1, self.memo, tag="more")
+            final = self._lengthened(short, cap, fallback=lead)
+            if final is not None:
+                self.final.append(final)
+
+    def _short(self, item: _Scored, cap: int) -> _Scored | None:
+        """``item`` on the compaction horizon of ``cap``, compacted under ``cap`` (one round)."""
+        horizon = self.compaction_horizon(cap)
+        built = item if len(item.order[0]) == 6 * horizon else _score(item.gen, horizon, self.costs)
+        if built is None:
+            return None
+        return _compacted(built, self.costs, cap, 1, self.memo)
+
+    def _lengthened(self, short: _Scored, cap: int, fallback: bool) -> _Scored | None:
+        """``short`` lengthened to all ``m`` microbatches by repeating its steady phase (`extend_order`);
+        with ``fallback``, rebuilt and compacted for all ``m`` when it shows no steady phase."""
+        horizon = len(short.order[0]) // 6
+        if horizon == self.m:
+            return short
+        longer = extend_order(short.order, self.m - horizon)
+        if longer is not None:
+            try:
+                makespan, peak = replay(longer, self.costs)
+            except OrderDeadlockError:
+                peak = cap + 1
+            if peak <= cap:
+                return _Scored(makespan, peak, short.name, short.gen, longer, cap)
+        if not fallback:
+            return None
+        full = _score(short.gen, self.m, self.costs)
+        if full is None or full.peak > cap:
+            return None
+        return _compacted(full, self.costs, cap, _ROUNDS, self.memo)
+
+    def compaction_horizon(self, cap: int) -> int:
+        """Microbatches an order is compacted on under ``cap``: enough for its warm-up, a steady phase of
+        a few periods and its drain (about cap / 2 microbatches each); `extend_order` does the rest.
+        Deeper pipelines settle later (d=16, m=64, 3:4:2: cap 25 needs cap + 16 to reach the bubble a
+        full-length compaction finds)."""
+        return min(self.m, cap + max(8, self.d))
 
 
 def _quota(ranked: list[_Scored], keep: int) -> list[_Scored]:
-    """The ``keep`` fastest ordinary items and the fastest wide-offset block (if any), in rank order."""
-    return [i for i in ranked if not i.gen.extra][:keep] + [i for i in ranked if i.gen.extra][:1]
+    """The ``keep`` fastest ordinary items, the fastest wide-offset block and the ``_WARM_QUOTA`` fastest
+    warm-up rewrites (if any), in rank order. Warm-up rewrites rank well before compaction and often lose
+    after it: mixed in, they crowded better candidates out (d=8, m=32, 3:4:2, limit 9: 23.3% for 22.1%)."""
+    ordinary = [i for i in ranked if not i.gen.extra and not i.gen.warm][:keep]
+    wide = [i for i in ranked if i.gen.extra and not i.gen.warm][:1]
+    return ordinary + wide + [i for i in ranked if i.gen.warm][:_WARM_QUOTA]
 
 
 @lru_cache(maxsize=16)
