@@ -34,19 +34,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pp_offload.plan.shapes import SHAPES
+
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 1 << 30
-LLAMA_8B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
+LLAMA_8B = SHAPES["llama-3-8b"]
 CPU_MODEL = {
     "hidden_size": 256,
     "intermediate_size": 688,

@@ -49,24 +49,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pp_offload.plan.shapes import SHAPES
+
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = float(1 << 30)
-LLAMA_8B = {
-    "model_type": "llama",
-    "num_hidden_layers": 32,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-}
-LLAMA_70B = {
-    **LLAMA_8B,
-    "num_hidden_layers": 80,
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_attention_heads": 64,
-}
+LLAMA_8B = SHAPES["llama-3-8b"]
+LLAMA_70B = SHAPES["llama-3-70b"]
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB", "ScheduleInterleaved1F1B")
 SHORT = {"ScheduleVHalf": "V-Half", "ScheduleVZB": "V-ZB", "ScheduleInterleaved1F1B": "Interleaved1F1B"}
 OLD = ("selective:0.5", "full")

@@ -4,6 +4,7 @@ ranking and recommendation, clear errors, and the ``pp-offload plan`` command li
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -630,3 +631,18 @@ def test_plot_file_is_written(tmp_path):
     path = result.plot(tmp_path / "sub" / "plan.png")
     assert path.exists() and path.stat().st_size > 10_000
     assert math.isfinite(result.recommended.step_time)
+
+
+def test_named_shapes_plan_offline_like_their_configs() -> None:
+    """``model_spec("llama-3-8b")`` needs no hub: the same spec as the config's numbers, Llama 3.1 names
+    map to the 3 shapes, and every shape is one the planner models."""
+    from pp_offload.plan.shapes import SHAPES
+
+    by_name = model_spec("Meta-Llama-3.1-8B")
+    by_config = model_spec(dict(SHAPES["llama-3-8b"]))
+    assert (by_name.hidden_size, by_name.num_layers, by_name.num_kv_heads) == (4096, 32, 8)
+    assert by_name.name == "Meta-Llama-3.1-8B"
+    assert dataclasses.replace(by_name, name="x") == dataclasses.replace(by_config, name="x")
+    for name in SHAPES:
+        assert model_spec(name).family == "llama"
+    assert model_spec("llama-3.2-1b").tie_word_embeddings and model_spec("llama-3-70b").num_layers == 80

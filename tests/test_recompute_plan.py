@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_plan import SMALL_LLAMA
 
 from pp_offload.order import Costs, v_half_order, v_zb_order
 from pp_offload.order.offload import plan_offload
@@ -22,28 +23,11 @@ from pp_offload.plan.memory import (
     layer_recompute_traffic,
 )
 from pp_offload.plan.model import model_spec
+from pp_offload.plan.shapes import SHAPES
 from pp_offload.sim import as_executed_by_torch, simulate
 
 MEASURED = Path(__file__).resolve().parents[1] / "bench" / "results" / "recompute.json"
-LLAMA_8B = {
-    "model_type": "llama",
-    "num_hidden_layers": 32,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-}
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 14,
-    "vocab_size": 8000,
-    "tie_word_embeddings": True,
-}
+LLAMA_8B = SHAPES["llama-3-8b"]
 
 
 def _bench_specs(data: dict) -> dict:
@@ -87,7 +71,7 @@ def test_layer_formulas_equal_the_bytes_the_store_moved_per_layer():
 def test_recompute_bytes_shrink_and_stage_accounting_is_consistent():
     for config in (
         LLAMA_8B,
-        TINY,
+        SMALL_LLAMA,
         {"model_type": "gpt2", "n_embd": 256, "n_head": 4, "n_layer": 4, "vocab_size": 300},
     ):
         spec = model_spec(config)
@@ -110,11 +94,12 @@ def test_recompute_bytes_shrink_and_stage_accounting_is_consistent():
                     )
                     assert two.saved - st["selective"].saved == 2 * b["selective"]
     with pytest.raises(ValueError, match="unknown recompute mode 'partial'"):
-        layer_activation_bytes(model_spec(TINY), "bf16", microbatch_size=1, seq_len=8, recompute="partial")
+        spec = model_spec(SMALL_LLAMA)
+        layer_activation_bytes(spec, "bf16", microbatch_size=1, seq_len=8, recompute="partial")
 
 
 def test_recompute_traffic_hand_computed_and_timed_over_hbm():
-    spec = model_spec(TINY)  # h 1024, q 1024, kv 512, i 2816
+    spec = model_spec(SMALL_LLAMA)  # h 1024, q 1024, kv 512, i 2816
     n, a = 64, 2
     norm = (2 * (a + 4) + 8 + 4 + 8 + 2 * a) * 1024  # casts, pow, mean, rsqrt-mul, weight-mul
     per_token = 2 * norm + 10 * a * (1024 + 512) + 3 * a * 1024 + 5 * a * 2816
@@ -173,7 +158,7 @@ def test_budget_lands_within_its_slowdown_with_imbalanced_stages(build, policy, 
 
 def _plan(**kw):
     return plan(
-        TINY,
+        SMALL_LLAMA,
         seq_len=512,
         microbatch_size=1,
         num_microbatches=8,

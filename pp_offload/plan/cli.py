@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pp_offload.plan.machines import MACHINES
 from pp_offload.plan.orders import SCHEDULES
+from pp_offload.plan.shapes import SHAPES
 
 __all__ = ["DESCRIPTION", "EPILOG", "add_arguments", "main", "run_from_args"]
 
@@ -70,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         metavar="PATH_OR_ID",
-        help="HF model config: a model directory, a config .json file or a hub id",
+        help="HF model config: a model directory, a config .json file, a hub id, or a shape known offline: "
+        + ", ".join(SHAPES),
     )
     p.add_argument("--seq-len", type=_positive_int, required=True, metavar="S", help="tokens per sample")
     p.add_argument(

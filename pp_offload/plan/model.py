@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pp_offload.plan.shapes import shape
+
 __all__ = ["ModelSpec", "model_spec"]
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -78,10 +80,13 @@ class ModelSpec:
 
 
 def model_spec(model: Any) -> ModelSpec:
-    """`ModelSpec` from a transformers ``PretrainedConfig``, a dict (a config.json's content), a local path
-    (a model directory or a config .json file) or a hub id (resolved by ``AutoConfig.from_pretrained``)."""
+    """`ModelSpec` from a transformers ``PretrainedConfig``, a dict (a config.json's content), the name of a
+    shape in `pp_offload.plan.shapes.SHAPES` (``"llama-3-8b"``, offline), a local path (a model directory
+    or a config .json file) or a hub id (resolved by ``AutoConfig.from_pretrained``)."""
     if isinstance(model, ModelSpec):
         return model
+    if isinstance(model, str) and (named := shape(model)) is not None and not Path(model).exists():
+        return _from_mapping({**named, "_name_or_path": model}, default_name=model)
     if isinstance(model, (str, os.PathLike)):
         return _from_mapping(_load(model), default_name=str(model))
     if isinstance(model, Mapping):
