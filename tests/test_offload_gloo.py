@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import run_on_ranks
+from _reference import sequential_reference
 from torch import nn
 
 HIDDEN = 48
@@ -93,12 +94,7 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
 
 
 def _reference(d: int, m: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    model = _model(d)
-    x, y = _batch(m)
-    losses = [_loss(model(xm), ym) for xm, ym in zip(x.chunk(m), y.chunk(m), strict=True)]
-    sum(losses).backward()
-    grads = {f"{s}.{n}": p.grad for s in range(2 * d) for n, p in model[s].named_parameters()}
-    return [t.detach() for t in losses], grads
+    return sequential_reference(_model(d), *_batch(m), m, _loss)
 
 
 @functools.cache

@@ -71,9 +71,8 @@ def chosen_config(config: RecipeConfig, decision: Any) -> RecipeConfig:
         costs=dict(decision.costs),  # torch's schedules use them for their offload plan
     )
     train = config.train
-    recompute = getattr(decision, "recompute", "none")
-    if recompute != "none":
-        train = dataclasses.replace(train, activation_checkpointing=recompute)
+    if decision.recompute != "none":
+        train = dataclasses.replace(train, activation_checkpointing=decision.recompute)
     return dataclasses.replace(config, pipeline=pipeline, train=train)
 
 
@@ -88,7 +87,7 @@ def recompute_candidates(config: RecipeConfig, model: nn.Module, device: torch.d
     if checkpointing_mode(config.train.activation_checkpointing) is not None:
         return []
     spec = config.pipeline
-    microbatch = max(1, config.train.global_batch_size // (spec.microbatches * spec.dp))
+    microbatch = config.train.global_batch_size // (spec.microbatches * spec.dp)  # exact: preflight checked
     try:
         return recompute_options(
             unwrap_peft(model).config,
@@ -97,7 +96,7 @@ def recompute_candidates(config: RecipeConfig, model: nn.Module, device: torch.d
             machine=machine_preset(device),
             dtype=config.train.precision,
         )
-    except (ValueError, KeyError, TypeError):
+    except ValueError:  # a config the planner does not model (MoE, an unknown layout)
         return []
 
 
