@@ -646,3 +646,14 @@ def test_named_shapes_plan_offline_like_their_configs() -> None:
     for name in SHAPES:
         assert model_spec(name).family == "llama"
     assert model_spec("llama-3.2-1b").tie_word_embeddings and model_spec("llama-3-70b").num_layers == 80
+
+
+def test_an_unknown_name_lists_the_shapes_known_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreachable)
+    with pytest.raises(ValueError, match=r"not a shape known offline \(llama-3.2-1b, .*llama-3-70b\)"):
+        model_spec("llama-3-9b")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pp_offload.plan.shapes import shape
+from pp_offload.plan.shapes import SHAPES, shape
 
 __all__ = ["ModelSpec", "model_spec"]
 
@@ -129,8 +129,9 @@ def _load(path_or_id: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as e:
         first_line = str(e).splitlines()[0] if str(e) else ""
         raise ValueError(
-            f"cannot resolve the model {str(path_or_id)!r}: not a local file or directory, and "
-            f"AutoConfig.from_pretrained failed ({type(e).__name__}: {first_line})"
+            f"cannot resolve the model {str(path_or_id)!r}: not a local file or directory, not a shape known "
+            f"offline ({', '.join(SHAPES)}), and AutoConfig.from_pretrained failed "
+            f"({type(e).__name__}: {first_line})"
         ) from e
     return _config_dict(config)
 
