@@ -11,7 +11,8 @@ a machine.
 Command line: ``pp-offload plan --model PATH_OR_ID --seq-len 4096 --microbatches 64 --pp 8``.
 Modules, one job each: `model` (config -> numbers), `memory` (bytes), `costs` (seconds), `split` (layers
 per stage), `machines` (GPU presets), `orders` (schedule orders), `evaluate` (simulate one schedule),
-`planner` (rank and recommend), `report` (table and plot), `validate` (measure HF stages on CPU), `cli`.
+`planner` (rank and recommend), `report` (table and plot), `validate` (measure HF stages on CPU), `cli`,
+`handoff` (`offload_inputs`: the planner's per-stage figures for the runtime's offload plan).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import types
 from typing import Any
 
+from pp_offload.plan.handoff import offload_inputs
 from pp_offload.plan.machines import A100, GH200, H100, H200, MACHINES, Machine, resolve_machine
 from pp_offload.plan.model import ModelSpec, model_spec
 from pp_offload.plan.planner import Candidate, PlanError, PlanResult, plan
@@ -38,6 +40,7 @@ __all__ = [
     "PlanResult",
     "balanced_split",
     "model_spec",
+    "offload_inputs",
     "plan",
     "resolve_machine",
 ]

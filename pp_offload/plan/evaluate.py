@@ -40,7 +40,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pp_offload.order.actions import OFFLOAD, RELOAD, B, Costs, F, I, W
+from pp_offload.order.actions import Costs, F
+from pp_offload.order.offload_inputs import OffloadInputs, StageBytes
+from pp_offload.order.offload_inputs import activation_peaks as byte_peaks
 from pp_offload.plan.costs import PassTimes, p2p_seconds, split_extras, stage_times, transfer_seconds
 from pp_offload.plan.machines import Machine
 from pp_offload.plan.memory import (
@@ -58,7 +60,15 @@ from pp_offload.plan.model import ModelSpec
 from pp_offload.plan.orders import OURS, Layout, build_order, layout, microbatch_problem
 from pp_offload.plan.split import balanced_split
 
-__all__ = ["PolicyResult", "Setup", "StageProfile", "evaluate_orders", "setup_schedule", "simulation_sizes"]
+__all__ = [
+    "PolicyResult",
+    "Setup",
+    "StageProfile",
+    "evaluate_orders",
+    "offload_plan",
+    "setup_schedule",
+    "simulation_sizes",
+]
 
 _EXACT_FACTOR = 4
 
@@ -104,17 +114,31 @@ class Setup:
             return self.layer_bytes
         return min(self.layer_bytes, st.activation.saved // st.layers)
 
+    def offload_inputs(self) -> OffloadInputs:
+        """The figures offload is placed with on this setup (`pp_offload.order.offload_inputs`): the costs
+        with each stage's pass times, layers per stage, one layer's copy time per stage (in proportion to
+        `stage_layer_bytes`) and each stage's bytes, so the budget lowers the peak that is reported. Hand it
+        to ``enable_offload(..., inputs=...)`` and the runtime places what this setup predicts."""
+        unit = self.layer_copy / self.layer_bytes if self.layer_bytes else 0.0
+        n = len(self.stages)
+        return OffloadInputs(
+            costs=self.costs,
+            layers=tuple(self.layers),
+            layer_copy=tuple(unit * self.stage_layer_bytes(s) for s in range(n)),
+            stage_bytes=tuple(
+                StageBytes(
+                    saved=int(st.activation.saved),
+                    resident=int(st.activation.resident),
+                    layer=int(self.stage_layer_bytes(s)),
+                )
+                for s, st in enumerate(self.stages)
+            ),
+        )
+
     def layered_args(self) -> dict[str, Any]:
         """`plan_offload`'s ``layers``/``layer_copy``/``peaks`` for budget offload on this setup's stages
-        (one layer's copy time per stage, in proportion to `stage_layer_bytes`; peaks in bytes, as
-        `activation_peaks` reports them, so the budget lowers the peak that is reported)."""
-        unit = self.layer_copy / self.layer_bytes if self.layer_bytes else 0.0
-        copies = [unit * self.stage_layer_bytes(s) for s in range(len(self.stages))]
-
-        def peaks(sim: Any, layered: Any) -> dict[int, float]:  # compared in bytes, as reported
-            return dict(zip(sorted(sim.timeline), activation_peaks(sim, self, layered=layered), strict=True))
-
-        return {"layers": list(self.layers), "layer_copy": copies, "peaks": peaks}
+        (`offload_inputs`)."""
+        return self.offload_inputs().plan_kwargs()
 
     def static(self, rank: int) -> int:
         """Bytes of ``rank`` that do not depend on the order: state, receive buffers, transient, reserve."""
@@ -141,14 +165,24 @@ def setup_schedule(
     virtual_stages: int,
     reserve: int,
     recompute: str = "none",
+    layers_per_stage: list[int] | None = None,
 ) -> Setup:
     """Stages, costs and static memory of ``schedule`` (module doc, 1-2); ``recompute``: activation
     checkpointing of the decoder layers (`pp_offload.plan.memory.RECOMPUTE`), which shrinks what the stages
-    save (and what budget offload moves per layer) and lengthens their I and W passes."""
+    save (and what budget offload moves per layer) and lengthens their I and W passes.
+    ``layers_per_stage``: the split a pipeline was built with, instead of the planner's balanced one."""
     lay = layout(schedule, pp, virtual_stages=virtual_stages)
-    first_extra, last_extra = split_extras(spec, seq_len=seq_len)
-    layers = balanced_split(spec.num_layers, lay.num_stages, first_extra=first_extra, last_extra=last_extra)
     n = lay.num_stages
+    if layers_per_stage is None:
+        first_extra, last_extra = split_extras(spec, seq_len=seq_len)
+        layers = balanced_split(spec.num_layers, n, first_extra=first_extra, last_extra=last_extra)
+    else:
+        layers = [int(c) for c in layers_per_stage]
+        if len(layers) != n or sum(layers) != spec.num_layers or min(layers) < 0:
+            raise ValueError(
+                f"layers_per_stage {layers} must have {n} entries >= 0 summing to the model's "
+                f"{spec.num_layers} layers"
+            )
     stages = []
     for s, count in enumerate(layers):
         first, last = s == 0, s == n - 1
@@ -341,7 +375,7 @@ def evaluate_orders(
     after the preceding pass), while the offload plan still uses ``setup.costs.transfer``; the copies' time
     is then the caller's to add.
     """
-    from pp_offload.order.offload import plan_offload, resolve_offload
+    from pp_offload.order.offload import resolve_offload
     from pp_offload.sim import simulate
 
     resolved = resolve_offload(policy)
@@ -350,9 +384,7 @@ def evaluate_orders(
         order = orders.orders[size]
         layered: dict = {}
         if resolved.enabled:
-            # placed with the per-stage costs it is timed with: a budget's slowdown limit then holds for
-            # the step it predicts (placed with scalar costs and timed per stage, it overshot its 3%)
-            planned = plan_offload(order, setup.costs, resolved, **setup.layered_args())
+            planned = offload_plan(setup, order, resolved)
             layered = planned.layered
             sim = planned.sim
             per_rank = [len(planned.offloaded.get(r, ())) for r in sorted(sim.timeline)]
@@ -403,43 +435,24 @@ def evaluate_orders(
     return results
 
 
+def offload_plan(setup: Setup, order: Any, policy: Any) -> Any:
+    """The offload plan of ``order`` (as torch executes it: `build_orders`) under ``policy`` on ``setup``,
+    as the planner predicts it and as ``enable_offload(..., inputs=setup.offload_inputs())`` places it.
+
+    Placed with the per-stage costs it is timed with: a budget's slowdown limit then holds for the step it
+    predicts (placed with scalar costs and timed per stage, it overshot its 3%)."""
+    from pp_offload.order.offload import plan_offload
+
+    inputs = setup.offload_inputs()
+    return plan_offload(order, inputs.costs, policy, **inputs.plan_kwargs())
+
+
 def activation_peaks(sim: Any, setup: Setup, *, layered: Any = None) -> list[int]:
     """Per rank, the peak of the activation bytes over the simulated timeline (see the module doc, 4).
     ``layered``: the plan's layer-by-layer chunks (their per-layer copies move `Setup.stage_layer_bytes`)."""
-    layered = layered or {}
-    peaks = []
-    for rank in sorted(sim.timeline):
-        events: list[tuple[float, int]] = []
-        for (stage, kind, _), start, finish in sim.timeline[rank]:
-            act = setup.stages[stage].activation
-            if kind == F:
-                events.append((start, act.total))
-            elif kind == I:
-                events.append((finish, -act.resident))
-            elif kind == W:
-                events.append((finish, -act.saved))
-            elif kind == B:
-                events.append((finish, -act.total))
-        for action, _, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
-            kind = str(getattr(action.computation_type, "value", action.computation_type))
-            nbytes = setup.stage_layer_bytes(int(action.stage_index))
-            events.append((finish, -nbytes) if kind == OFFLOAD else (start, nbytes))
-        for action, start, finish in sim.transfers.get(rank, []):
-            if (int(action.stage_index), int(action.microbatch_index)) in layered:
-                continue  # counted per layer above
-            saved = setup.stages[int(action.stage_index)].activation.saved
-            kind = str(getattr(action.computation_type, "value", action.computation_type))
-            if kind == OFFLOAD:
-                events.append((finish, -saved))
-            elif kind == RELOAD:
-                events.append((start, saved))
-        events.sort(key=lambda e: (e[0], e[1]))
-        level = peak = 0
-        for _, delta in events:
-            level += delta
-            peak = max(peak, level)
-        peaks.append(peak)
-    return peaks
+    stage_bytes = setup.offload_inputs().stage_bytes
+    assert stage_bytes is not None  # a setup always knows its stages' bytes  # noqa: S101
+    return byte_peaks(sim, stage_bytes, layered)
 
 
 def combine(results: list[PolicyResult], num_microbatches: int) -> dict[str, Any]:

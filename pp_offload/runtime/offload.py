@@ -28,12 +28,22 @@ for exactly that compute), reloaded last layer first at the chunk's RELOAD (the 
 layer first, and on CUDA waits only for the layer it unpacks), released after the chunk's last backward.
 The chunk's OFFLOAD action then copies nothing; it checks that every planned layer went out. Planning
 needs every stage's layer count: this rank counts its own stages and assumes the largest of them for the
-others (they only shape the timing estimates behind RELOAD positions, never what this rank moves).
+others, and it plans with scalar costs in chunk units.
+
+Exactly as the planner predicts: the planner places budget offload with each stage's pass times, layer
+counts, per-layer copy times and bytes (the embedding's and the LM head's stages weigh differently), so
+a plan from scalar costs and guessed layer counts can move other layers of other chunks and put RELOADs
+elsewhere. ``enable_offload(..., inputs=OffloadInputs)`` (`pp_offload.order.offload_inputs`, made by
+`pp_offload.plan.offload_inputs` or the recipe's ``schedule: auto``) plans with the planner's figures; the
+plan is then the planner's, chunk for chunk and position for position (tested offline for V-Half, V-ZB and
+torch's Interleaved1F1B on a Llama-3-8B-like spec). Every plan is made on the order as torch executes it
+(`pp_offload.sim.as_executed_by_torch`), the order the planner simulates.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +53,10 @@ from torch import nn
 
 from pp_offload.order.actions import Costs
 from pp_offload.order.offload import OffloadPlan, plan_offload, resolve_offload
+from pp_offload.order.offload_inputs import OffloadInputs
 from pp_offload.runtime import compat
 from pp_offload.runtime.store import ActivationStore
+from pp_offload.sim import as_executed_by_torch
 
 __all__ = ["OffloadRuntime", "enable_offload", "stage_layers"]
 
@@ -71,6 +83,7 @@ def enable_offload(
     offload: Any = "full",
     *,
     costs: Costs | Mapping[str, float] | None = None,
+    inputs: OffloadInputs | Mapping[str, Any] | None = None,
     device: torch.device | str | None = None,
 ) -> OffloadRuntime | None:
     """Offload activations of ``schedule`` (any torch ``_PipelineScheduleRuntime`` schedule) to host memory.
@@ -81,10 +94,17 @@ def enable_offload(
         `pp_offload.order.offload.OffloadPolicy` fields, or a policy; ``None``/``"none"`` does nothing.
     costs: relative F/I/W/comm durations and ``transfer`` (one chunk's copy time one way); default: the
         schedule's own ``costs`` if it has them, else unit costs with ``transfer = 0.5``.
+    inputs: the planner's figures for this schedule (`pp_offload.order.offload_inputs.OffloadInputs` or its
+        ``to_dict``; from `pp_offload.plan.offload_inputs` or the recipe's ``schedule: auto``): costs with
+        each stage's pass times, every stage's layer count and per-layer copy time, and each stage's bytes.
+        The plan is then the one the planner predicted for this order (same chunks, same moved layers,
+        same OFFLOAD/RELOAD positions). Replaces ``costs``; this rank's stages must hold ``inputs.layers``.
     device: the device whose activations move (default: the device of this rank's stages). Asking for
         CUDA on a machine without it raises `ValueError`.
 
-    Call after building the schedule and before its first ``step``. Returns None when nothing is offloaded.
+    The plan is made on the order as torch executes it (`pp_offload.sim.as_executed_by_torch`: stage 0's
+    I computes nothing and its W runs the whole backward), the order the planner simulates. Call after
+    building the schedule and before its first ``step``. Returns None when nothing is offloaded.
     """
     policy = resolve_offload(offload)
     if not policy.enabled:
@@ -95,19 +115,26 @@ def enable_offload(
             f"{type(schedule).__name__}; single-stage schedules (Schedule1F1B, ScheduleGPipe) "
             "are not supported"
         )
-    costs = Costs.coerce(costs if costs is not None else getattr(schedule, "costs", None))
-    if costs.transfer == 0:
-        costs = Costs(costs.F, costs.I, costs.W, costs.comm, transfer=_DEFAULT_TRANSFER * costs.F)
     stages = compat.schedule_stages(schedule)
-    layers = None
-    if policy.mode == "budget":
-        own = {stage.stage_index: stage_layers(stage) for stage in stages}
-        num_stages = 1 + max(
-            a.stage_index for acts in schedule.pipeline_order.values() for a in acts if a is not None
-        )
-        assumed = max(len(mods) for mods in own.values())
-        layers = [len(own[s]) if s in own else assumed for s in range(num_stages)]
-    plan = plan_offload(schedule.pipeline_order, costs, policy, layers=layers)
+    own = {stage.stage_index: stage_layers(stage) for stage in stages} if policy.mode == "budget" else {}
+    num_stages = 1 + max(
+        a.stage_index for acts in schedule.pipeline_order.values() for a in acts if a is not None
+    )
+    if inputs is not None:
+        if costs is not None:
+            raise ValueError("give enable_offload costs= or inputs= (which carry the costs), not both")
+        inputs = inputs if isinstance(inputs, OffloadInputs) else OffloadInputs.from_dict(inputs)
+        _check_inputs(inputs, num_stages, own)
+        costs, kwargs = inputs.costs, inputs.plan_kwargs()
+    else:
+        costs = Costs.coerce(costs if costs is not None else getattr(schedule, "costs", None))
+        kwargs = {}
+        if policy.mode == "budget":
+            assumed = max(len(mods) for mods in own.values())
+            kwargs["layers"] = [len(own[s]) if s in own else assumed for s in range(num_stages)]
+    if costs.transfer == 0:
+        costs = dataclasses.replace(costs, transfer=_DEFAULT_TRANSFER * costs.F)
+    plan = plan_offload(as_executed_by_torch(schedule.pipeline_order), costs, policy, **kwargs)
     _insert_into_lowered_order(schedule, plan)
 
     store = ActivationStore(device if device is not None else stages[0].device)
@@ -159,6 +186,23 @@ def enable_offload(
     return runtime
 
 
+def _check_inputs(inputs: OffloadInputs, num_stages: int, own: Mapping[int, list[nn.Module]]) -> None:
+    """The planner's figures must describe this pipeline: as many stages, and this rank's stages holding
+    the layers they count (else the plan would move layers that do not exist, or the wrong ones)."""
+    if inputs.num_stages != num_stages:
+        raise ValueError(
+            f"offload inputs describe {inputs.num_stages} stages but the schedule's order has {num_stages}; "
+            "build them for this schedule and pipeline size"
+        )
+    wrong = {s: (len(mods), inputs.layers[s]) for s, mods in own.items() if len(mods) != inputs.layers[s]}
+    if wrong:
+        detail = ", ".join(f"stage {s} holds {n} layers, inputs say {said}" for s, (n, said) in wrong.items())
+        raise ValueError(
+            f"offload inputs do not match this rank's stages ({detail}); build them with the split the "
+            "pipeline uses (pp_offload.plan.offload_inputs(..., layers_per_stage=...))"
+        )
+
+
 def _key(action: Any) -> tuple[int, int]:
     return int(action.stage_index), int(action.microbatch_index)
 
@@ -200,9 +244,12 @@ def _compute_keys(action: Any) -> list[tuple[int, str, int]]:
     if subs:
         return [k for sub in subs for k in _compute_keys(sub)]
     kind = str(getattr(action.computation_type, "value", action.computation_type))
-    if kind in ("F", "I", "W", "B"):
-        return [(int(action.stage_index), kind, int(action.microbatch_index))]
-    return []
+    if kind not in ("F", "I", "W", "B"):
+        return []
+    key = (int(action.stage_index), kind, int(action.microbatch_index))
+    if key[:2] == (0, "W"):  # the plan's order is as torch executes it: stage 0's W runs as B
+        return [key, (0, "B", key[2])]
+    return [key]
 
 
 def stage_layers(stage: Any) -> list[nn.Module]:

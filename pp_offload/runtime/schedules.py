@@ -24,12 +24,14 @@ twice. Use ``scale_grads=False`` with a loss normalised by the global token coun
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pp_offload.order import Costs, adaptive_v_order, v_half_order, v_min_order, v_zb_order
 from pp_offload.order.actions import Order, v_stages
+from pp_offload.order.offload_inputs import OffloadInputs
 from pp_offload.runtime import compat
 from pp_offload.runtime.offload import enable_offload
 
@@ -58,6 +60,7 @@ class _VSchedule(compat.RuntimeBase):
         costs: Costs | Mapping[str, float] | None = None,
         defer_pp_recv: bool = False,
         offload: Any = None,
+        offload_inputs: OffloadInputs | Mapping[str, Any] | None = None,
     ):
         """Arguments as for torch's multi-stage schedules (e.g. ``ScheduleZBVZeroBubble``), plus:
 
@@ -69,6 +72,9 @@ class _VSchedule(compat.RuntimeBase):
         offload: move saved activations to host memory between each chunk's forward and backward:
             ``"full"``, ``"selective"`` (or a fraction like ``0.5``), ``"auto"``, or ``None`` (default);
             see `pp_offload.runtime.offload.enable_offload`.
+        offload_inputs: the planner's figures (`pp_offload.order.offload_inputs.OffloadInputs`), so the
+            offload plan is the one the planner predicted; without ``costs`` the order is then built from
+            their scalar F/I/W/comm, as the planner builds it.
         """
         name = type(self).__name__
         stages = list(stages)
@@ -80,6 +86,10 @@ class _VSchedule(compat.RuntimeBase):
                 f"{name}: n_microbatches must be >= 1, got {n_microbatches}; pass the number of microbatches "
                 "each step splits the batch into (>= 2 * pipeline size for a full steady phase)"
             )
+        if offload_inputs is not None and not isinstance(offload_inputs, OffloadInputs):
+            offload_inputs = OffloadInputs.from_dict(offload_inputs)
+        if costs is None and offload_inputs is not None:
+            costs = dataclasses.replace(offload_inputs.costs, stages=None)
         try:
             self.costs = Costs.coerce(costs)
         except (TypeError, ValueError) as e:
@@ -104,7 +114,10 @@ class _VSchedule(compat.RuntimeBase):
         self._prepare_schedule_with_comms(self.pipeline_order)
         self.offload = None  # set by enable_offload: the plan and the activation store
         if offload is not None:
-            enable_offload(self, offload, costs=self.costs)
+            if offload_inputs is not None:
+                enable_offload(self, offload, inputs=offload_inputs)
+            else:
+                enable_offload(self, offload, costs=self.costs)
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:
         return type(self)._generator(num_ranks, num_microbatches, costs)
@@ -191,6 +204,7 @@ class ScheduleVAdaptive(_VSchedule):
         costs: Costs | Mapping[str, float] | None = None,
         defer_pp_recv: bool = False,
         offload: Any = None,
+        offload_inputs: OffloadInputs | Mapping[str, Any] | None = None,
     ):
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real):
             raise ValueError(
@@ -215,6 +229,7 @@ class ScheduleVAdaptive(_VSchedule):
             costs=costs,
             defer_pp_recv=defer_pp_recv,
             offload=offload,
+            offload_inputs=offload_inputs,
         )
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:

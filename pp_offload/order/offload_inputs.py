@@ -1,0 +1,189 @@
+"""What an offload plan depends on beyond the order and the policy: the figures the planner predicts with.
+
+Why this exists: `pp_offload.order.offload.plan_offload` places budget offload (which layers of which
+chunks move, where each RELOAD goes) from the costs, each stage's layer count, each stage's per-layer copy
+time and a per-rank peak to lower. The planner (`pp_offload.plan`) knows all four per stage: pass times
+per stage (``Costs.stages``; the embedding's and the LM head's stages weigh differently), layers per stage
+from its split, the bytes one layer saves and how long their copy takes on the machine, and the peak in
+real bytes (a stage holding the LM head and the loss holds more per microbatch). A runtime that knows only
+its own stages' layer counts and scalar costs places offload elsewhere than the planner predicted.
+`OffloadInputs` carries the planner's figures to `pp_offload.runtime.offload.enable_offload` (and the V
+schedules' ``offload_inputs=``), so the runtime plans exactly what the planner reported.
+
+Pure Python and JSON-safe (`OffloadInputs.to_dict` / `from_dict`): the recipe's ``schedule: auto`` path
+broadcasts it from rank 0. The planner builds it with `pp_offload.plan.offload_inputs` (from a model
+config and a machine preset) or `pp_offload.plan.evaluate.Setup.offload_inputs` (any setup, measured ones
+included).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pp_offload.order.actions import OFFLOAD, RELOAD, B, Costs, F, I, W
+
+__all__ = ["OffloadInputs", "StageBytes", "activation_peaks"]
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """One stage's activation bytes for one microbatch.
+
+    saved: what autograd saves in the stage's forward (what the activation store captures and offload
+        moves); held from the start of its F to the end of its W (or B).
+    resident: what stays on the device whatever is offloaded (the stage's output, the loss's tensors),
+        held from the start of its F to the end of its input-gradient pass (I, or B).
+    layer: the bytes one moved layer carries (budget offload moves whole layers).
+    """
+
+    saved: int
+    resident: int = 0
+    layer: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("saved", "resident", "layer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"StageBytes.{name} must be an int >= 0 (bytes), got {value!r}")
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.resident
+
+
+@dataclass(frozen=True)
+class OffloadInputs:
+    """The planner's figures for placing offload on one schedule: pass them to ``enable_offload(...,
+    inputs=...)`` to place exactly the offload the planner predicted for this order.
+
+    costs: the per-chunk costs plans are simulated with, with each stage's own F/I/W (``Costs.stages``) and
+        ``transfer`` (one chunk unit's copy time one way), in any unit shared with ``layer_copy``.
+    layers: decoder layers of every stage (index = stage); the runtime checks its own stages hold these.
+    layer_copy: one moved layer's one-way copy time per stage, in the unit of ``costs``.
+    stage_bytes: every stage's bytes (`StageBytes`); budget offload then lowers the per-rank peak in bytes
+        (`activation_peaks`), as the planner reports it. ``None``: the simulator's chunk units (every chunk
+        weighs the same).
+    """
+
+    costs: Costs
+    layers: tuple[int, ...]
+    layer_copy: tuple[float, ...]
+    stage_bytes: tuple[StageBytes, ...] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "costs", Costs.coerce(self.costs))
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "layer_copy", tuple(float(c) for c in self.layer_copy))
+        n = len(self.layers)
+        if n == 0:
+            raise ValueError("OffloadInputs.layers is empty; give the layer count of every stage")
+        for s, count in enumerate(self.layers):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"OffloadInputs.layers[{s}] must be an int >= 0, got {count!r}")
+        if len(self.layer_copy) != n:
+            raise ValueError(f"OffloadInputs.layer_copy has {len(self.layer_copy)} entries for {n} stages")
+        if any(not c >= 0 or math.isinf(c) for c in self.layer_copy):
+            raise ValueError(f"OffloadInputs.layer_copy entries must be finite and >= 0: {self.layer_copy}")
+        if self.costs.stages is not None and len(self.costs.stages) != n:
+            raise ValueError(f"OffloadInputs.costs has {len(self.costs.stages)} stage entries for {n} stages")
+        if self.stage_bytes is not None:
+            stage_bytes = tuple(b if isinstance(b, StageBytes) else StageBytes(**b) for b in self.stage_bytes)
+            if len(stage_bytes) != n:
+                raise ValueError(f"OffloadInputs.stage_bytes has {len(stage_bytes)} entries for {n} stages")
+            object.__setattr__(self, "stage_bytes", stage_bytes)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    def plan_kwargs(self) -> dict[str, Any]:
+        """`plan_offload`'s ``layers``, ``layer_copy`` and ``peaks`` (the last only with ``stage_bytes``)."""
+        kwargs: dict[str, Any] = {"layers": list(self.layers), "layer_copy": list(self.layer_copy)}
+        if self.stage_bytes is not None:
+            kwargs["peaks"] = self.peaks
+        return kwargs
+
+    def peaks(self, sim: Any, layered: Mapping[tuple[int, int], Any]) -> dict[int, float]:
+        """Per rank, the peak of device-resident activation bytes of ``sim`` (`activation_peaks`)."""
+        if self.stage_bytes is None:
+            raise ValueError("OffloadInputs.peaks needs stage_bytes")
+        return dict(zip(sorted(sim.timeline), activation_peaks(sim, self.stage_bytes, layered), strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe; `from_dict` inverts it."""
+        costs = {k: getattr(self.costs, k) for k in ("F", "I", "W", "comm", "transfer")}
+        if self.costs.stages is not None:
+            costs["stages"] = [list(s) for s in self.costs.stages]
+        return {
+            "costs": costs,
+            "layers": list(self.layers),
+            "layer_copy": list(self.layer_copy),
+            "stage_bytes": None
+            if self.stage_bytes is None
+            else [{"saved": b.saved, "resident": b.resident, "layer": b.layer} for b in self.stage_bytes],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OffloadInputs:
+        unknown = set(data) - {"costs", "layers", "layer_copy", "stage_bytes"}
+        if unknown:
+            raise ValueError(f"unknown OffloadInputs keys {sorted(unknown)}")
+        return cls(
+            costs=Costs.coerce(data["costs"]),
+            layers=tuple(data["layers"]),
+            layer_copy=tuple(data["layer_copy"]),
+            stage_bytes=None if data.get("stage_bytes") is None else tuple(data["stage_bytes"]),
+        )
+
+
+def activation_peaks(
+    sim: Any, stage_bytes: Sequence[StageBytes], layered: Mapping[tuple[int, int], Any] | None = None
+) -> list[int]:
+    """Per rank (sorted), the peak of the device-resident activation bytes over ``sim``'s timeline.
+
+    A chunk holds its stage's ``total`` from the start of its F; ``resident`` leaves when its I (or B) ends,
+    ``saved`` when its W (or B) ends. An offloaded whole chunk's ``saved`` is off the device from the end
+    of its OFFLOAD to the start of its RELOAD; a chunk in ``layered`` (budget offload) moves per layer
+    instead: each moved layer's ``layer`` bytes from the end of its own copy out to the start of its own
+    copy back (``sim.layer_transfers``).
+    """
+    layered = layered or {}
+    peaks = []
+    for rank in sorted(sim.timeline):
+        events: list[tuple[float, int]] = []
+        for (stage, kind, _), start, finish in sim.timeline[rank]:
+            b = stage_bytes[stage]
+            if kind == F:
+                events.append((start, b.total))
+            elif kind == I:
+                events.append((finish, -b.resident))
+            elif kind == W:
+                events.append((finish, -b.saved))
+            elif kind == B:
+                events.append((finish, -b.total))
+        for action, _, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
+            nbytes = stage_bytes[int(action.stage_index)].layer
+            events.append((finish, -nbytes) if _kind(action) == OFFLOAD else (start, nbytes))
+        for action, start, finish in sim.transfers.get(rank, []):
+            if (int(action.stage_index), int(action.microbatch_index)) in layered:
+                continue  # counted per layer above
+            saved = stage_bytes[int(action.stage_index)].saved
+            kind = _kind(action)
+            if kind == OFFLOAD:
+                events.append((finish, -saved))
+            elif kind == RELOAD:
+                events.append((start, saved))
+        events.sort(key=lambda e: (e[0], e[1]))
+        level = peak = 0
+        for _, delta in events:
+            level += delta
+            peak = max(peak, level)
+        peaks.append(peak)
+    return peaks
+
+
+def _kind(action: Any) -> str:
+    return str(getattr(action.computation_type, "value", action.computation_type))
