@@ -121,8 +121,9 @@ class AutoCandidate:
 
 @dataclass
 class AutoDecision:
-    """What `choose` picked and why. ``costs`` (ms) go to the schedule's ``costs=`` (and enable_offload's)
-    so its order and offload plan are built for the measured costs, as predicted. ``peak_bytes`` is the
+    """What `choose` picked and why. ``costs`` (ms) go to the schedule's ``costs=`` so its order is built for
+    the measured costs, and ``offload_inputs`` to ``enable_offload(..., inputs=...)`` (or our schedules'
+    ``offload_inputs=``) so its offload plan is the one predicted. ``peak_bytes`` is the
     predicted device-resident saved-activation peak of each pipeline rank; ``budget_bytes`` each rank's
     budget (None: no memory constraint). ``candidates`` are ranked: the pick first, then the others that
     fit by step time, then those that do not fit."""
@@ -141,8 +142,12 @@ class AutoDecision:
     ``"full"``): what the recipe's ``train.activation_checkpointing`` must apply."""
     stage_costs: list[list[float]] | None = None
     """Per stage, its F, I, W per chunk (ms): what ``choose`` placed offload with (``Costs.stages``). The
-    order is built from ``costs`` alone; ``enable_offload`` places the predicted budget offload only when
-    its costs carry these too (``Costs(**costs, stages=stage_costs)``), else with the scalar costs."""
+    order is built from ``costs`` alone."""
+    offload_inputs: dict[str, Any] | None = None
+    """When the pick offloads: everything ``choose`` placed its offload with
+    (`pp_offload.order.offload_inputs.OffloadInputs.to_dict`: costs with ``stage_costs``, measured layers,
+    per-layer copy times and bytes per stage). ``enable_offload(..., inputs=...)`` (the recipe passes them)
+    then places exactly the predicted plan; without them it plans from the scalar costs."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (the recipe broadcasts it from rank 0); `from_dict` inverts it."""
@@ -205,6 +210,8 @@ def choose(
         `recompute_options`); None or empty: no recompute candidates.
     Raises `AutoError` when nothing fits, ValueError on bad arguments. Deterministic.
     """
+    from pp_offload.order.offload import resolve_offload
+
     if not isinstance(measurement, Measurement):
         raise TypeError(f"choose needs a Measurement (from measure_step), got {type(measurement).__name__}")
     m = _check_count(num_microbatches)
@@ -239,12 +246,14 @@ def choose(
     best = ranked[0]
     if not best.fits:
         raise AutoError(_nothing_fits(ranked, measurement, m, budget, memory_limit, activation_budget_bytes))
+    picked = _setup(measured[best.recompute], best.schedule, m)
     return AutoDecision(
         schedule=best.schedule,
         offload=best.offload,
         memory_limit=best.memory_limit,
         costs=costs_for(measured[best.recompute], best.schedule, num_microbatches=m),
-        stage_costs=[list(x) for x in _setup(measured[best.recompute], best.schedule, m).costs.stages or ()],
+        stage_costs=[list(x) for x in picked.costs.stages or ()],
+        offload_inputs=picked.offload_inputs().to_dict() if resolve_offload(best.offload).enabled else None,
         predicted_step_s=float(best.predicted_step_s),
         peak_bytes=list(best.peak_bytes),
         reason=_reason(ranked, budget),

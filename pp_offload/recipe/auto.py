@@ -12,7 +12,10 @@ hardware meet. The probe runs before any weight changes:
    ``pipeline.memory_limit`` and ``pipeline.activation_budget_gib``) and broadcasts the decision, so every
    rank of every replica builds the same schedule; when nothing fits, every rank raises the same error;
 3. the real pipeline is built once with the chosen schedule, offload policy and the measured costs, and
-   with the chosen activation recompute (``train.activation_checkpointing``) when the user left it off.
+   with the chosen activation recompute (``train.activation_checkpointing``) when the user left it off;
+   when the pick offloads, the runtime plans with the figures ``choose`` judged it by
+   (``AutoDecision.offload_inputs``: per-stage costs, layers, copy times and bytes), so it places the
+   predicted plan.
 
 Activation recompute: unless ``train.activation_checkpointing`` is already set (the probe then measures
 with it), ``choose`` also judges selective and full recompute of the decoder layers, from the probe's

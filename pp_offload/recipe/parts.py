@@ -485,12 +485,18 @@ def build_pipeline(
     mesh: DeviceMesh,
     *,
     shard: bool = True,
+    offload_inputs: Any = None,
 ) -> Pipeline:
     """Split ``model`` for this rank, shard it over the data-parallel ranks when ``pipeline.dp > 1`` (and
-    ``shard``), and build its ``PipelineStage``s (on this replica's pipeline group) and the schedule."""
+    ``shard``), and build its ``PipelineStage``s (on this replica's pipeline group) and the schedule.
+
+    ``offload_inputs``: the figures ``schedule: auto`` chose with (`pp_offload.order.offload_inputs`, or
+    its ``to_dict``), so the offload plan is the predicted one; without them a budget policy gets the
+    planner's figures for this model and machine preset when it can (`pp_offload.recipe.offload_figures`)."""
     from torch.distributed.pipelining import PipelineStage
 
     from pp_offload.parallel import activation_checkpointing, apply_fsdp, checkpointing_mode
+    from pp_offload.recipe.offload_figures import planner_offload_inputs
     from pp_offload.runtime.offload import enable_offload
 
     spec = config.pipeline
@@ -530,16 +536,33 @@ def build_pipeline(
     loss_fn = TokenCrossEntropy()
     if split.router_aux is not None:  # each of the step's microbatches (all replicas) adds coef x aux / count
         loss_fn.router_aux_weight = split.router_aux.coef / (spec.microbatches * topo.dp)
+    if offload and offload_inputs is None:
+        offload_inputs = planner_offload_inputs(
+            config,
+            model,
+            schedule=info.name,
+            stages_per_rank=per_rank,
+            pp=topo.pp,
+            dp=topo.dp,
+            layers_per_stage=list(split.layers_per_stage),
+            device=device,
+            log=topo.rank == 0,
+        )
+    figures: dict[str, Any] = {"costs": spec.costs}
+    if offload and offload_inputs is not None:
+        figures = {"inputs": offload_inputs}
     kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
     if info.module == "pp_offload.runtime.schedules":
-        kwargs["costs"] = spec.costs
+        kwargs["costs"] = spec.costs  # None with inputs: the order is built from their scalar costs
         if spec.memory_limit is not None:
             kwargs["memory_limit"] = spec.memory_limit
         if offload:
             kwargs["offload"] = spec.offload
+            if "inputs" in figures:
+                kwargs["offload_inputs"] = figures["inputs"]
     schedule = build_schedule(info, stages, spec.microbatches, **kwargs)
     if info.module != "pp_offload.runtime.schedules" and offload:
-        enable_offload(schedule, spec.offload, costs=spec.costs, device=device)
+        enable_offload(schedule, spec.offload, **figures, device=device)
     if sharded is not None:
         sharded.attach(schedule)
     return Pipeline(

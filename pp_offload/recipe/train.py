@@ -344,7 +344,8 @@ def _run(
             config, decision = choose_schedule(
                 config, model, topo, device, mesh, probe_step, out, reuse=resume_from is not None
             )
-        pipeline = build_pipeline(config, model, topo, device, mesh)
+        inputs = decision.offload_inputs if decision is not None else None  # what auto chose with
+        pipeline = build_pipeline(config, model, topo, device, mesh, offload_inputs=inputs)
         module = pipeline.module
     else:
         if config.pipeline.pp not in (None, 1):
