@@ -189,6 +189,7 @@ def _step(rank: int, d: int, m: int, model: nn.Sequential, name: str, placement:
     ids = (rank, 2 * d - 1 - rank) if placement == "v" else (rank, rank + d)
     model.zero_grad(set_to_none=True)
     stages = [PipelineStage(model[s], s, 2 * d, torch.device("cpu")) for s in ids]
+    compat.skip_self_p2p_warmup(stages)  # torch 2.11 + gloo: no warm-up send to the own rank
     kwargs = {"loss_fn": _loss, "scale_grads": False}
     if hasattr(pp_offload, name):
         schedule = getattr(pp_offload, name)(stages, m, offload=policy, **kwargs)

@@ -55,7 +55,11 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _stages(model: nn.Sequential, rank: int, d: int) -> list:
     from torch.distributed.pipelining import PipelineStage
 
-    return [PipelineStage(model[s], s, 2 * d, torch.device("cpu")) for s in v_stages(rank, d)]
+    from pp_offload.runtime import compat
+
+    stages = [PipelineStage(model[s], s, 2 * d, torch.device("cpu")) for s in v_stages(rank, d)]
+    compat.skip_self_p2p_warmup(stages)  # torch 2.11 + gloo: no warm-up send to the own rank
+    return stages
 
 
 def _step(schedule, rank: int, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:

@@ -108,6 +108,23 @@ def device_for(config: RecipeConfig, topo: Topology) -> torch.device:
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
     if choice == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        # joined before the recipe ran (a test harness, a notebook): gloo carries no CUDA tensors
+        if choice == "cuda":
+            raise ConfigError(
+                "train.device=cuda, but the process group was initialized with the gloo backend, which "
+                "cannot send CUDA tensors between pipeline stages; initialize it with nccl, or let the "
+                "recipe do it"
+            )
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if topo.local_rank >= count:
+        raise ConfigError(
+            f"rank {topo.rank} (local rank {topo.local_rank}) needs its own GPU, cuda:{topo.local_rank}, but "
+            f"this machine shows {count} CUDA device(s): launch at most {count} process(es) per node "
+            "(torchrun --nproc-per-node), or train.device=cpu; ranks cannot share a GPU (NCCL refuses a "
+            "communicator between two ranks on one device)"
+        )
     torch.cuda.set_device(topo.local_rank)
     return torch.device("cuda", topo.local_rank)
 

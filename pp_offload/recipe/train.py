@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import inspect
 import json
 import math
 import os
@@ -67,6 +66,7 @@ from pp_offload.recipe.parts import (
     topology,
 )
 from pp_offload.recipe.timeline import StepTimeline
+from pp_offload.runtime import compat
 
 __all__ = ["RunResult", "run"]
 
@@ -192,12 +192,6 @@ def _autocast(config: RecipeConfig, device: torch.device, topo: Topology) -> Any
     if config.train.precision == "bf16" and topo.dp == 1:  # with dp > 1, FSDP's bf16 policy does it
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def _step_kwargs(schedule: Any) -> dict[str, Any]:
-    if "return_outputs" in inspect.signature(schedule.step).parameters:
-        return {"return_outputs": False}  # the last stage's logits are not needed: losses are
-    return {}
 
 
 class _Reference:
@@ -521,7 +515,7 @@ def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> float:
     """One schedule step; returns the step's loss (summed over microbatches) on every rank."""
     pipeline.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
     losses: list[torch.Tensor] = []
-    kwargs = _step_kwargs(pipeline.schedule)
+    kwargs = compat.no_output_kwargs(pipeline.schedule)  # the last stage's logits are not needed: losses are
     args = (batch["input_ids"],) if pipeline.has_first else ()
     target = batch["labels"] if pipeline.has_last else None
     pipeline.schedule.step(*args, target=target, losses=losses, position_ids=batch["position_ids"], **kwargs)

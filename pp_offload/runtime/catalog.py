@@ -118,5 +118,8 @@ def stage_indices(rank: int, num_ranks: int, placement: str, stages_per_rank: in
 
 def build_schedule(info: ScheduleInfo, stages: list[Any], num_microbatches: int, **kwargs: Any) -> Any:
     """Instantiate ``info``'s class on this rank's ``stages`` (a single stage for single-stage schedules)."""
+    from pp_offload.runtime import compat
+
+    compat.skip_self_p2p_warmup(stages)
     target = stages if info.multi_stage else stages[0]
     return info.cls(target, num_microbatches, **kwargs)

@@ -11,6 +11,10 @@ Known drift handled here:
 - ``loss_kwargs`` (``step(..., loss_kwargs=...)``, ``_maybe_compute_loss(..., loss_kwargs)``) is newer
   than torch 2.11.
 - ``_check_torch_compile_compatibility`` (refuses split I/W backward on compiled stages) may be absent.
+- torch 2.11 warms up the links between neighbouring stages at the first step with a send and a receive
+  per neighbour, also when the neighbour is on the same rank (V placement: stages d-1 and d share the last
+  rank); gloo has no link to itself and fails with "Pair is not connected". `skip_self_p2p_warmup` drops
+  those ops (NCCL never needed them either: a rank's own stages hand tensors over in memory).
 
 Selective recompute (`pp_offload.runtime.recompute`) needs two more private pieces, stable since torch 2.1:
 ``TorchDispatchMode`` (``torch.utils._python_dispatch``, the base of every dispatch mode, torch's own
@@ -61,6 +65,8 @@ __all__ = [
     "stage_backward",
     "stage_backward_input",
     "stage_backward_weight",
+    "no_output_kwargs",
+    "skip_self_p2p_warmup",
     "supports_defer_pp_recv",
     "supports_loss_kwargs",
     "to_torch_action",
@@ -181,6 +187,45 @@ def to_torch_order(order: Mapping[int, Iterable[Action]]) -> dict[int, list[_Act
 ActionHandler = Callable[[_Action, _PipelineContext], None]
 
 
+def no_output_kwargs(schedule: Any) -> dict[str, Any]:
+    """``schedule.step`` keywords that stop the last stage keeping every microbatch's output for the step's
+    return value (``return_outputs=False`` where torch has it). Why: a causal LM's last stage outputs
+    logits, one vocabulary-wide tensor per microbatch (1 GiB at 128k vocabulary and 4096 tokens in bf16),
+    which torch otherwise keeps until the step ends and then concatenates; training needs only the losses."""
+    if "return_outputs" in inspect.signature(schedule.step).parameters:
+        return {"return_outputs": False}
+    return {}
+
+
+def skip_self_p2p_warmup(stages: Iterable[Any]) -> None:
+    """Drop the first-step warm-up sends and receives a stage would make to a neighbour on its own rank.
+
+    Only torch versions whose stages have ``_get_init_p2p_neighbors_ops`` make them (2.11); idempotent."""
+    for stage in stages:
+        method = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+        if method is None or getattr(method, "_pp_offload_filtered", False):
+            continue
+        own = getattr(stage, "group_rank", None)
+
+        def filtered(method: Any = method, own: Any = own) -> list[Any]:
+            return [op for op in method() if not _to_self(op, own)]
+
+        filtered._pp_offload_filtered = True  # type: ignore[attr-defined]
+        stage._get_init_p2p_neighbors_ops = filtered
+
+
+def _to_self(op: Any, group_rank: Any) -> bool:
+    """Whether a ``P2POp`` names this rank as its peer (by group rank where the op records one, else by
+    global rank: older torch keeps only the global ``peer``)."""
+    import torch.distributed as dist
+
+    group_peer = getattr(op, "group_peer", None)
+    if group_peer is not None:
+        return group_peer == group_rank
+    peer = getattr(op, "peer", None)
+    return peer is not None and dist.is_initialized() and peer == dist.get_rank()
+
+
 def install_action_handler(schedule: _PipelineScheduleRuntime, kind: str, handler: ActionHandler) -> None:
     """Run ``handler(action, ctx)`` for every action of ``kind`` this schedule executes.
 
@@ -298,3 +343,48 @@ def views_share_version() -> Any:
     that links version counters, and an in-place change of the source would go unnoticed. torch's own
     selective checkpointing detaches its cached outputs the same way."""
     return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False)
+
+
+# --- one rank of a pipeline, alone (bench/bench_gpu_replay.py) -----------------------------------------
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """A process group whose sends and receives do nothing, so one process runs one rank of a pipeline.
+
+    torch's "fake" backend (registered by ``torch.testing._internal.distributed.fake_pg``) completes every
+    communication at once without moving data: receive buffers keep what they hold, sends are dropped.
+    Compute, memory and host copies are the real ones. Only for measuring a rank, never for training."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import fake_pg
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
+
+
+def use_static_stage_metadata(schedule: _PipelineScheduleRuntime) -> None:
+    """Make ``schedule``'s stages use their constructor's ``input_args``/``output_args`` with no handshake.
+
+    Newer torch (2.13) agrees on static or runtime-inferred metadata by a vote among the ranks
+    (``_warmup_p2p``); on a fake process group the vote receives zeros and asks for inference, whose
+    metadata exchange then reads garbage. Every stage here was built with its example inputs and outputs, so
+    the vote's answer is known: static. torch without the vote infers nothing when both are given."""
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    def warmup_p2p(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = warmup_p2p
+
+
+def receive_buffers(stage: Any) -> list[torch.Tensor]:
+    """The tensors torch receives activations and gradients into for ``stage`` (all microbatches)."""
+    found: list[torch.Tensor] = []
+    for table in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+        for infos in table.values():
+            for info in infos:
+                buffer = getattr(info, "buffer", None)
+                if isinstance(buffer, torch.Tensor):
+                    found.append(buffer)
+    return found

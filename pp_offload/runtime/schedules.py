@@ -98,6 +98,7 @@ class _VSchedule(compat.RuntimeBase):
                 "like {'F': 1.0, 'I': 1.0, 'W': 1.0, 'comm': 0.0} with positive F/I/W and comm >= 0"
             ) from e
         compat.check_compile_compatibility(stages, name)
+        compat.skip_self_p2p_warmup(stages)
         super().__init__(
             stages=stages,
             n_microbatches=int(n_microbatches),
