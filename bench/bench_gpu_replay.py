@@ -450,6 +450,50 @@ def copy_overlap(schedule: Any, args: tuple, kwargs: dict, device: torch.device)
     }
 
 
+def host_syncs(schedule: Any, args: tuple, kwargs: dict, device: torch.device) -> list[dict[str, Any]]:
+    """The synchronizing CUDA calls of one step, each with where it was made (CUDA only).
+
+    Why: a host that waits for the device stops launching work, so copies on another stream stop hiding
+    behind compute. torch's sync debug mode warns at every such call; the warnings are collected with the
+    innermost frames outside torch, counted per distinct call site."""
+    if device.type != "cuda":
+        return []
+    import traceback
+    import warnings
+
+    sites: dict[tuple[str, str], int] = {}
+    original = warnings.showwarning
+
+    def note(
+        message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if "/torch/" not in f.filename and "warnings" not in f.filename
+        ]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+        key = (str(message)[:160], where)
+        sites[key] = sites.get(key, 0) + 1
+
+    warnings.showwarning = note
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                schedule.step(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = original
+    _sync(device)
+    return [
+        {"message": m, "where": w, "count": n} for (m, w), n in sorted(sites.items(), key=lambda x: -x[1])
+    ]
+
+
 def _merge(spans: list[tuple[float, float]], gap: float = 0.0) -> list[tuple[float, float]]:
     """Union of ``spans``; spans closer than ``gap`` join."""
     merged: list[tuple[float, float]] = []
@@ -641,6 +685,7 @@ def run_config(
         record["moved_layers"] = sum(runtime.moved.values())
     record["memory_timeline"] = memory_timeline(schedule, step_args, step_kwargs, device)
     record["copies"] = copy_overlap(schedule, step_args, step_kwargs, device)
+    record["host_syncs"] = host_syncs(schedule, step_args, step_kwargs, device)
     del schedule, stages, pacer
     _free(device)
     return record
@@ -903,6 +948,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{(record['predicted']['activation_bytes'] + record['predicted']['transient_bytes']) / GIB:.2f})",  # noqa: E501
             flush=True,
         )
+        for site in record["host_syncs"][:3]:
+            print(f"    host sync x{site['count']}: {site['where']}: {site['message'][:80]}", flush=True)
     done = [r for r in records if "error" not in r]
     print(tables(done))
     args.out.mkdir(parents=True, exist_ok=True)
