@@ -418,6 +418,7 @@ def copy_overlap(schedule: Any, args: tuple, kwargs: dict, device: torch.device)
         with open(path) as f:
             trace = json.load(f)
     kernels, d2h, h2d = [], [], []
+    by_kind: dict[str, tuple[float, int]] = {}
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X" or "dur" not in event:
             continue
@@ -425,6 +426,9 @@ def copy_overlap(schedule: Any, args: tuple, kwargs: dict, device: torch.device)
         cat, name = event.get("cat", ""), event.get("name", "")
         if cat == "kernel":
             kernels.append(span)
+            kind = _kernel_kind(name)
+            ms, count = by_kind.get(kind, (0.0, 0))
+            by_kind[kind] = (ms + (span[1] - span[0]) / 1e3, count + 1)
         elif cat == "gpu_memcpy" and "DtoH" in name:
             d2h.append(span)
         elif cat == "gpu_memcpy" and "HtoD" in name:
@@ -447,6 +451,7 @@ def copy_overlap(schedule: Any, args: tuple, kwargs: dict, device: torch.device)
         "d2h_overlapped": overlapped(d2h),
         "h2d_overlapped": overlapped(h2d),
         "lanes": {"compute": shifted(busy), "D2H": shifted(_merge(d2h)), "H2D": shifted(_merge(h2d))},
+        "kernels": {kind: {"ms": ms, "count": n} for kind, (ms, n) in sorted(by_kind.items())},
     }
 
 
@@ -492,6 +497,17 @@ def host_syncs(schedule: Any, args: tuple, kwargs: dict, device: torch.device) -
     return [
         {"message": m, "where": w, "count": n} for (m, w), n in sorted(sites.items(), key=lambda x: -x[1])
     ]
+
+
+def _kernel_kind(name: str) -> str:
+    """A coarse class of a CUDA kernel by its name: how much of a step is matmul, attention, the rest
+    (recompute that re-runs matmuls shows up as more matmul time than the plain schedule's)."""
+    low = name.lower()
+    if any(k in low for k in ("flash", "fmha", "attention", "attn")):
+        return "attention"
+    if any(k in low for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul")):
+        return "matmul"
+    return "other"
 
 
 def _merge(spans: list[tuple[float, float]], gap: float = 0.0) -> list[tuple[float, float]]:
