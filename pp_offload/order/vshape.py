@@ -29,19 +29,21 @@ Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections import ChainMap
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
 from pp_offload.order import cache as order_cache
 from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
-from pp_offload.order.compact import compact_bound
+from pp_offload.order.compact import compact_measured
 from pp_offload.order.cooldown import diagonal_cooldown
 from pp_offload.order.extend import extend_order
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
 from pp_offload.order.replay import replay
 from pp_offload.order.rhythm import rhythm_v_order
+from pp_offload.order.spread import Gather, spread_map
 from pp_offload.order.warmup import warmup_rewrite
 from pp_offload.sim import OrderDeadlockError
 
@@ -76,19 +78,41 @@ class _Candidate:
     block: VBlock
 
 
-def v_min_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
-    """V-Min: about 1/3 of 1F1B's activation memory (the paper's 1/1 offsets), lowest bubble at that cap."""
-    return _best_order(num_ranks, num_microbatches, costs, v_min_cap(num_ranks), "V-Min")
+def v_min_order(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs | Mapping | None = None,
+    *,
+    gather: Gather | None = None,
+) -> Order:
+    """V-Min: about 1/3 of 1F1B's activation memory (the paper's 1/1 offsets), lowest bubble at that cap.
+
+    ``gather`` (all ranks of a group calling together) spreads the search over the group's ranks: the
+    same order, for a share of the work (`pp_offload.order.spread`); the same holds for the other three.
+    """
+    return _best_order(num_ranks, num_microbatches, costs, v_min_cap(num_ranks), "V-Min", gather)
 
 
-def v_half_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
+def v_half_order(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs | Mapping | None = None,
+    *,
+    gather: Gather | None = None,
+) -> Order:
     """V-Half: about 1/2 of 1F1B's activation memory (the paper's 2/1 offsets), lowest bubble at that cap."""
-    return _best_order(num_ranks, num_microbatches, costs, v_half_cap(num_ranks), "V-Half")
+    return _best_order(num_ranks, num_microbatches, costs, v_half_cap(num_ranks), "V-Half", gather)
 
 
-def v_zb_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
+def v_zb_order(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs | Mapping | None = None,
+    *,
+    gather: Gather | None = None,
+) -> Order:
     """V-ZB: 1F1B's activation memory, spent on a near-zero bubble."""
-    return _best_order(num_ranks, num_microbatches, costs, 2 * num_ranks, "V-ZB")
+    return _best_order(num_ranks, num_microbatches, costs, 2 * num_ranks, "V-ZB", gather)
 
 
 def adaptive_v_order(
@@ -96,6 +120,8 @@ def adaptive_v_order(
     num_microbatches: int,
     memory_limit: float,
     costs: Costs | Mapping | None = None,
+    *,
+    gather: Gather | None = None,
 ) -> Order:
     """Lowest-makespan V order whose every rank stays within ``memory_limit`` x 1F1B's peak.
 
@@ -109,7 +135,8 @@ def adaptive_v_order(
         )
     reference = one_f_one_b_peak(num_ranks, num_microbatches)
     cap = memory_limit * reference
-    return _best_order(num_ranks, num_microbatches, costs, cap, f"adaptive(memory_limit={memory_limit})")
+    label = f"adaptive(memory_limit={memory_limit})"
+    return _best_order(num_ranks, num_microbatches, costs, cap, label, gather)
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
@@ -121,18 +148,22 @@ def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
         raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
 
 
-def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label: str) -> Order:
+def _best_order(
+    num_ranks: int, num_microbatches: int, costs, cap: float, label: str, gather: Gather | None = None
+) -> Order:
     _check_sizes(num_ranks, num_microbatches)
     costs = Costs.coerce(costs)
     smallest = smallest_feasible_peak(num_ranks, num_microbatches)
     order = None
     if cap >= smallest - 1e-9:
         whole = int(math.floor(cap + 1e-9))  # peaks are whole chunk units
-        order = order_cache.load(num_ranks, num_microbatches, costs, whole)
-        if order is None:
-            order = _search(num_ranks, num_microbatches, costs, whole)
-            if order is not None:
-                order_cache.store(num_ranks, num_microbatches, costs, whole, order)
+        cached = order_cache.load(num_ranks, num_microbatches, costs, whole)
+        if gather is not None and gather.size > 1:
+            order = _search_together(num_ranks, num_microbatches, costs, whole, gather, cached)
+        else:
+            order = cached if cached is not None else _search(num_ranks, num_microbatches, costs, whole)
+        if order is not None and cached is None:
+            order_cache.store(num_ranks, num_microbatches, costs, whole, order)
     if order is None:
         reference = one_f_one_b_peak(num_ranks, num_microbatches)
         limit = math.ceil(smallest / reference * 1e4) / 1e4  # rounded up: the printed limit must work
@@ -273,27 +304,61 @@ class _Scored:
 def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -> list[_Scored]:
     """The candidate, with its drain rewritten, with its warm-up rewritten, and with both: the real costs
     decide which is better."""
+    return _variants_scored(gen, _variant_records(gen, num_microbatches, costs))
+
+
+# A candidate's variants: (warm-up rewritten, drain rewritten), in the order they are scored.
+_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
+
+
+def _variant_records(gen: _Generator, num_microbatches: int, costs: Costs) -> list[tuple]:
+    """``(variant, makespan, peak, order)`` of each variant of ``gen`` that exists and runs: the part of
+    `_score_with_cooldown` that is worth spreading over ranks (plain data, cheap to send)."""
     order = gen.build(num_microbatches)
     if order is None:
         return []
-    found = [_measure(gen, order, costs)]
-    variants = [(gen, order)]
+    bases = [(0, order)]
     warmed = warmup_rewrite(order)
     if warmed is not None and warmed != order:
-        warm_gen = _Generator(
-            f"warmup({gen.name})", gen.canonical, partial(_with_warmup, gen.build), gen.extra, gen.cap, True
-        )
-        found.append(_measure(warm_gen, warmed, costs))
-        variants.append((warm_gen, warmed))
-    for base, base_order in variants:
+        bases.append((1, warmed))
+    found = list(bases)
+    for variant, base_order in bases:
         cooled = diagonal_cooldown(base_order)
         if cooled is not None:
-            build = partial(_with_cooldown, base.build)
-            cooled_gen = _Generator(
-                f"cooldown({base.name})", base.canonical, build, base.extra, base.cap, base.warm
-            )
-            found.append(_measure(cooled_gen, cooled, costs))
-    return [s for s in found if s is not None]
+            found.append((variant + 2, cooled))
+    records = []
+    for variant, variant_order in found:
+        try:
+            makespan, peak = replay(variant_order, costs)
+        except OrderDeadlockError:
+            continue  # a family member that cannot run at this size
+        records.append((variant, makespan, peak, variant_order))
+    return records
+
+
+def _variants_scored(gen: _Generator, records: list[tuple]) -> list[_Scored]:
+    out = []
+    for variant, makespan, peak, order in records:
+        variant_gen = _variant_gen(gen, *_VARIANTS[variant])
+        out.append(_Scored(makespan, peak, variant_gen.name, variant_gen, order))
+    return out
+
+
+def _variant_gen(gen: _Generator, warm: bool, cool: bool) -> _Generator:
+    if warm:
+        gen = _Generator(
+            f"warmup({gen.name})", gen.canonical, partial(_with_warmup, gen.build), gen.extra, gen.cap, True
+        )
+    if cool:
+        gen = _Generator(
+            f"cooldown({gen.name})",
+            gen.canonical,
+            partial(_with_cooldown, gen.build),
+            gen.extra,
+            gen.cap,
+            gen.warm,
+        )
+    return gen
 
 
 def _with_warmup(build: Callable[[int], Order | None], num_microbatches: int) -> Order | None:
@@ -315,7 +380,7 @@ def _measure(gen: _Generator, order: Order, costs: Costs) -> _Scored | None:
 
 
 def _compacted(
-    item: _Scored, costs: Costs, cap: int, rounds: int = 3, memo: dict | None = None, tag: str = ""
+    item: _Scored, costs: Costs, cap: int, rounds: int = 3, memo: MutableMapping | None = None, tag: str = ""
 ) -> _Scored:
     """``item`` with its gaps filled, its peak kept within ``cap``.
 
@@ -329,10 +394,9 @@ def _compacted(
         source, under, bound, order, makespan, peak = memo[key]
         if not bound and under <= cap and source == item.order:
             return _Scored(makespan, peak, item.name, item.gen, order, cap)
-    order, bound = compact_bound(
-        item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds
+    order, bound, makespan, peak = compact_measured(
+        item.order, costs, makespan=item.makespan, peak=item.peak, memory_cap=cap, rounds=rounds
     )
-    makespan, peak = replay(order, costs)
     if memo is not None:
         memo[key] = (item.order, cap, bound, order, makespan, peak)
     return _Scored(makespan, peak, item.name, item.gen, order, cap)
@@ -365,27 +429,33 @@ class _Curve:
         for g in gens:
             self.pending.setdefault(g.cap, []).append(g)
         self.ranked: list[_Scored] = []
-        self._admit(0)
+        self.admitted = False  # the cap-free candidates (cap 0) join on the first growth
         self.done_cap = 1
         self.final: list[_Scored] = []  # for all m microbatches
         self.seen: set[tuple[str, int]] = set()
         self.memo: dict = {}  # compactions, for reuse at larger caps (see `_compacted`)
 
-    def best(self, cap: int) -> _Scored | None:
+    def best(self, cap: int, gather: Gather | None = None) -> _Scored | None:
+        """Fastest finalist within ``cap``; grows the curve up to ``cap`` first, its independent tasks
+        spread over ``gather``'s ranks when given (every rank of the group must call this together)."""
+        if not self.admitted and self.done_cap < cap:
+            self._admit(0, gather)
+            self.admitted = True
         while self.done_cap < cap:
             self.done_cap += 1
-            self._grow(self.done_cap)
+            self._grow(self.done_cap, gather)
         fitting = [i for i in self.final if i.peak <= cap]
         return min(fitting, key=lambda i: (i.makespan, i.peak, i.name), default=None)
 
-    def _admit(self, cap: int) -> None:
-        fresh = [
-            s for g in self.pending.pop(cap, []) for s in _score_with_cooldown(g, self.horizon, self.costs)
-        ]
+    def _admit(self, cap: int, gather: Gather | None) -> None:
+        gens = self.pending.pop(cap, [])
+        task = partial(_variant_records, num_microbatches=self.horizon, costs=self.costs)
+        found = spread_map(gather, task, gens)
+        fresh = [s for g, records in zip(gens, found, strict=True) for s in _variants_scored(g, records)]
         self.ranked = sorted(self.ranked + fresh, key=lambda i: (i.makespan, i.name))
 
-    def _grow(self, cap: int) -> None:
-        self._admit(cap)
+    def _grow(self, cap: int, gather: Gather | None) -> None:
+        self._admit(cap, gather)
         # Below V-Min's memory only the greedy family fits and the bubble is large whatever is done:
         # two candidates per cap keep every limit >= 2 feasible at a fraction of the cost.
         low = cap < v_min_cap(self.d)
@@ -394,13 +464,13 @@ class _Curve:
         at = _quota([i for i in self.ranked if i.peak == cap], 2 if low else keep_at)
         below = [] if low else _quota([i for i in self.ranked if i.peak < cap], keep_below)
         canonical = [i for i in self.ranked if i.gen.canonical and i.peak == cap]
-        fresh = []
+        shortlist = []
         for item in at + below + canonical:
             if (item.name, cap) not in self.seen:
                 self.seen.add((item.name, cap))
-                short = self._short(item, cap)
-                if short is not None:
-                    fresh.append(short)
+                shortlist.append(item)
+        shorts = self._spread(gather, partial(self._short, cap=cap), shortlist, [1.0] * len(shortlist))
+        fresh = [short for short in shorts if short is not None]
         if not fresh:
             return
         # One round of compaction ranks this cap's shortlist; only its fastest few get the full three (the
@@ -410,23 +480,55 @@ class _Curve:
         keep = _LEADS if self.d <= _DEEP else _DEEP_LEADS
         ranked = sorted(fresh, key=lambda i: (i.makespan, i.name))
         leads = [i for i in ranked if not i.gen.warm][:keep] + [i for i in ranked if i.gen.warm][:1]
-        for short in fresh:
-            lead = short in leads
-            if lead:
-                short = _compacted(short, self.costs, cap, _ROUNDS - 1, self.memo, tag="more")
-            final = self._lengthened(short, cap, fallback=lead)
-            if final is not None:
-                self.final.append(final)
+        is_lead = [short in leads for short in fresh]
+        finals = self._spread(
+            gather,
+            partial(self._finished, cap=cap),
+            list(zip(fresh, is_lead, strict=True)),
+            [3.0 if lead else 1.0 for lead in is_lead],
+        )
+        self.final += [final for final in finals if final is not None]
 
-    def _short(self, item: _Scored, cap: int) -> _Scored | None:
+    def _spread(self, gather, task, items: list, weights: list[float]) -> list[_Scored | None]:
+        """``task(item, memo)`` for every item, spread over ``gather``'s ranks: results come back as plain
+        data (the candidate's own generator is attached here), and each task's new compactions are
+        added to this rank's memo in the items' order, so every rank's memo stays the same."""
+
+        def run(index: int) -> tuple:
+            writes: dict = {}
+            item = items[index]
+            found = task(item, ChainMap(writes, self.memo))
+            plain = None if found is None else (found.makespan, found.peak, found.order, found.cap)
+            return plain, writes
+
+        out = []
+        for item, (plain, writes) in zip(
+            items, spread_map(gather, run, range(len(items)), weights), strict=True
+        ):
+            self.memo.update(writes)
+            source = item[0] if isinstance(item, tuple) else item
+            out.append(
+                None if plain is None else _Scored(plain[0], plain[1], source.name, source.gen, *plain[2:])
+            )
+        return out
+
+    def _finished(self, entry: tuple[_Scored, bool], memo: MutableMapping, cap: int) -> _Scored | None:
+        """A shortlisted candidate's finalist for ``cap``: two more compaction rounds for a lead, then
+        lengthened to all ``m``."""
+        short, lead = entry
+        if lead:
+            short = _compacted(short, self.costs, cap, _ROUNDS - 1, memo, tag="more")
+        return self._lengthened(short, cap, fallback=lead, memo=memo)
+
+    def _short(self, item: _Scored, memo: MutableMapping, cap: int) -> _Scored | None:
         """``item`` on the compaction horizon of ``cap``, compacted under ``cap`` (one round)."""
         horizon = self.compaction_horizon(cap)
         built = item if len(item.order[0]) == 6 * horizon else _score(item.gen, horizon, self.costs)
         if built is None:
             return None
-        return _compacted(built, self.costs, cap, 1, self.memo)
+        return _compacted(built, self.costs, cap, 1, memo)
 
-    def _lengthened(self, short: _Scored, cap: int, fallback: bool) -> _Scored | None:
+    def _lengthened(self, short: _Scored, cap: int, fallback: bool, memo: MutableMapping) -> _Scored | None:
         """``short`` lengthened to all ``m`` microbatches by repeating its steady phase (`extend_order`);
         with ``fallback``, rebuilt and compacted for all ``m`` when it shows no steady phase."""
         horizon = len(short.order[0]) // 6
@@ -445,7 +547,7 @@ class _Curve:
         full = _score(short.gen, self.m, self.costs)
         if full is None or full.peak > cap:
             return None
-        return _compacted(full, self.costs, cap, _ROUNDS, self.memo)
+        return _compacted(full, self.costs, cap, _ROUNDS, memo)
 
     def compaction_horizon(self, cap: int) -> int:
         """Microbatches an order is compacted on under ``cap``: enough for its warm-up, a steady phase of
@@ -469,10 +571,30 @@ def _curve(num_ranks: int, num_microbatches: int, costs: Costs) -> _Curve:
     return _Curve(num_ranks, num_microbatches, costs)
 
 
-def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
+def _search(
+    num_ranks: int, num_microbatches: int, costs: Costs, cap: int, gather: Gather | None = None
+) -> Order | None:
     """Fastest order found within ``cap`` chunk units per rank, or None."""
-    best = _curve(num_ranks, num_microbatches, costs).best(int(math.floor(cap + 1e-9)))
+    best = _curve(num_ranks, num_microbatches, costs).best(cap, gather)
     return None if best is None else best.order
+
+
+def _search_together(
+    num_ranks: int, num_microbatches: int, costs: Costs, cap: int, gather: Gather, cached: Order | None
+) -> Order | None:
+    """`_search` spread over ``gather``'s ranks, which must all call this together.
+
+    The ranks search together only from the same state: every one missing the disk cache (a rank that
+    has the entry still searches, to take its share) and its in-process curve grown equally far.
+    Otherwise each finishes alone (the same order, with no exchange to wait on).
+    """
+    curve = _curve(num_ranks, num_microbatches, costs)
+    states = gather.all_gather((cached is not None, curve.done_cap))
+    if all(hit for hit, _ in states):
+        return cached
+    if len({done for _, done in states}) > 1:
+        return cached if cached is not None else _search(num_ranks, num_microbatches, costs, cap)
+    return _search(num_ranks, num_microbatches, costs, cap, gather)
 
 
 def smallest_feasible_peak(num_ranks: int, num_microbatches: int) -> float:

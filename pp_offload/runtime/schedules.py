@@ -32,6 +32,7 @@ from pp_offload.order import Costs, adaptive_v_order, v_half_order, v_min_order,
 from pp_offload.order.actions import Order, v_stages
 from pp_offload.runtime import compat
 from pp_offload.runtime.offload import enable_offload
+from pp_offload.runtime.search_group import stage_gather
 
 __all__ = ["ScheduleVAdaptive", "ScheduleVHalf", "ScheduleVMin", "ScheduleVZB"]
 
@@ -58,6 +59,7 @@ class _VSchedule(compat.RuntimeBase):
         costs: Costs | Mapping[str, float] | None = None,
         defer_pp_recv: bool = False,
         offload: Any = None,
+        spread_search: bool = True,
     ):
         """Arguments as for torch's multi-stage schedules (e.g. ``ScheduleZBVZeroBubble``), plus:
 
@@ -69,6 +71,9 @@ class _VSchedule(compat.RuntimeBase):
         offload: move saved activations to host memory between each chunk's forward and backward:
             ``"full"``, ``"selective"`` (or a fraction like ``0.5``), ``"auto"``, or ``None`` (default);
             see `pp_offload.runtime.offload.enable_offload`.
+        spread_search: build the order together with the other ranks of the stages' process group (each
+            searches a share, all get the same order; every rank must construct its schedule at the same
+            time, as pipeline ranks do). ``False``: this rank searches alone.
         """
         name = type(self).__name__
         stages = list(stages)
@@ -99,6 +104,8 @@ class _VSchedule(compat.RuntimeBase):
             backward_requires_autograd=backward_requires_autograd,
             **compat.runtime_init_kwargs(defer_pp_recv=defer_pp_recv),
         )
+        # Who the order search is spread over (None: this process alone); see `search_group`.
+        self._search_gather = stage_gather(stages) if spread_search else None
         order = self._generate(self.pp_group_size, self._n_microbatches, self.costs)
         self.pipeline_order = compat.to_torch_order(order)
         self._prepare_schedule_with_comms(self.pipeline_order)
@@ -107,7 +114,7 @@ class _VSchedule(compat.RuntimeBase):
             enable_offload(self, offload, costs=self.costs)
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:
-        return type(self)._generator(num_ranks, num_microbatches, costs)
+        return type(self)._generator(num_ranks, num_microbatches, costs, gather=self._search_gather)
 
 
 def _check_v_stages(name: str, stages: list[Any]) -> None:
@@ -191,6 +198,7 @@ class ScheduleVAdaptive(_VSchedule):
         costs: Costs | Mapping[str, float] | None = None,
         defer_pp_recv: bool = False,
         offload: Any = None,
+        spread_search: bool = True,
     ):
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real):
             raise ValueError(
@@ -215,7 +223,10 @@ class ScheduleVAdaptive(_VSchedule):
             costs=costs,
             defer_pp_recv=defer_pp_recv,
             offload=offload,
+            spread_search=spread_search,
         )
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:
-        return adaptive_v_order(num_ranks, num_microbatches, self.memory_limit, costs)
+        return adaptive_v_order(
+            num_ranks, num_microbatches, self.memory_limit, costs, gather=self._search_gather
+        )
