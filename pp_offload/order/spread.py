@@ -17,8 +17,11 @@ waiting for a peer that gave up.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
+
+from pp_offload.order.actions import Action, Order
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -39,15 +42,16 @@ class SpreadTaskError(RuntimeError):
     """A task of a spread batch raised on some rank; raised on every rank so none waits for the others."""
 
 
-def assign(weights: Sequence[float], size: int) -> list[int]:
-    """The rank that runs each task: heaviest first, each to the least loaded rank (lowest rank on ties).
+def assign(weights: Sequence[float], size: int, first: int = 0) -> list[int]:
+    """The rank that runs each task: heaviest first, each to the least loaded rank (on ties, the first
+    from rank ``first`` on, so that batches of few tasks do not all land on the lowest ranks).
 
-    Deterministic in ``weights`` and ``size`` only, so every rank computes the same assignment.
+    Deterministic in its arguments only, so every rank computes the same assignment.
     """
     owner = [0] * len(weights)
     load = [0.0] * size
     for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        r = min(range(size), key=lambda r: (load[r], r))
+        r = min(range(size), key=lambda r: (load[r], (r - first) % size))
         owner[i] = r
         load[r] += weights[i]
     return owner
@@ -58,15 +62,17 @@ def spread_map(
     fn: Callable[[T], R],
     items: Sequence[T],
     weights: Sequence[float] | None = None,
+    first: int = 0,
 ) -> list[R]:
     """``[fn(x) for x in items]``, each ``fn(x)`` computed on one rank of ``gather`` and shared with all.
 
     ``fn`` must be deterministic and its result picklable; ``weights`` (relative costs, default equal)
-    only balance the ranks' shares. All ranks must call this with the same ``items`` in the same order.
+    and ``first`` (see `assign`) only balance the ranks' shares. All ranks must call this with the same
+    arguments.
     """
     if gather is None or gather.size <= 1 or not items:
         return [fn(x) for x in items]
-    owner = assign([1.0] * len(items) if weights is None else list(weights), gather.size)
+    owner = assign([1.0] * len(items) if weights is None else list(weights), gather.size, first)
     mine: dict[int, tuple[bool, Any]] = {}
     for i, x in enumerate(items):
         if owner[i] != gather.rank:
@@ -83,3 +89,55 @@ def spread_map(
         i, message = failed[0]
         raise SpreadTaskError(f"search task {i} failed on rank {owner[i]}: {message}")
     return [merged[i][1] for i in range(len(items))]
+
+
+_KINDS = ("F", "I", "W", "B")
+_CODE = {kind: code for code, kind in enumerate(_KINDS)}
+_MB_BITS = 24  # a pass is one integer: stage, kind (2 bits) and microbatch (24 bits)
+_INTERNED: dict[int, Action] = {}  # one Action per code, shared by every unpacked order
+_INTERNED_MAX = 1 << 20
+
+
+class PackedOrder:
+    """An order as one byte string per rank, unpacked on first use.
+
+    Why: what the ranks send each other is mostly orders, and most of them are never looked at again by
+    the ranks that receive them (only the winner of a cap, or a candidate compacted again). Pickled as
+    they are, orders cost more to unpack (one object per pass) than the search spends on them; packed,
+    a rank unpacks only the ones it uses, sharing one `Action` per (stage, kind, microbatch).
+    """
+
+    __slots__ = ("ranks", "rows")
+
+    def __init__(self, order: Order) -> None:
+        self.ranks = tuple(order)
+        self.rows = tuple(
+            array(
+                "q", [(a[0] << (_MB_BITS + 2)) | (_CODE[a[1]] << _MB_BITS) | a[2] for a in order[r]]
+            ).tobytes()
+            for r in self.ranks
+        )
+
+    def __getstate__(self) -> tuple:
+        return self.ranks, self.rows
+
+    def __setstate__(self, state: tuple) -> None:
+        self.ranks, self.rows = state
+
+    def unpack(self) -> Order:
+        if len(_INTERNED) > _INTERNED_MAX:
+            _INTERNED.clear()
+        out: Order = {}
+        for rank, row in zip(self.ranks, self.rows, strict=True):
+            codes = array("q")
+            codes.frombytes(row)
+            actions = []
+            for code in codes:
+                action = _INTERNED.get(code)
+                if action is None:
+                    mask = (1 << _MB_BITS) - 1
+                    kind = _KINDS[(code >> _MB_BITS) & 3]
+                    action = _INTERNED[code] = Action(code >> (_MB_BITS + 2), kind, code & mask)
+                actions.append(action)
+            out[rank] = actions
+        return out

@@ -43,7 +43,7 @@ from pp_offload.order.extend import extend_order
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
 from pp_offload.order.replay import replay
 from pp_offload.order.rhythm import rhythm_v_order
-from pp_offload.order.spread import Gather, spread_map
+from pp_offload.order.spread import Gather, PackedOrder, spread_map
 from pp_offload.order.warmup import warmup_rewrite
 from pp_offload.sim import OrderDeadlockError
 
@@ -291,14 +291,20 @@ def _with_cooldown(build: Callable[[int], Order | None], num_microbatches: int) 
     return None if order is None else diagonal_cooldown(order)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the search never holds two items of one name
 class _Scored:
     makespan: float
     peak: int
     name: str
     gen: _Generator
-    order: Order
+    stored: Order | PackedOrder | None  # None: not kept (rebuilt from ``gen`` when needed)
     cap: int = 0  # the cap it was compacted under (0: not compacted)
+
+    @property
+    def order(self) -> Order | None:
+        if isinstance(self.stored, PackedOrder):  # received from another rank: unpacked when used
+            self.stored = self.stored.unpack()
+        return self.stored
 
 
 def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -> list[_Scored]:
@@ -334,6 +340,18 @@ def _variant_records(gen: _Generator, num_microbatches: int, costs: Costs) -> li
             continue  # a family member that cannot run at this size
         records.append((variant, makespan, peak, variant_order))
     return records
+
+
+def _pack(order: Order | None) -> PackedOrder | None:
+    return None if order is None else PackedOrder(order)
+
+
+def _same(order: Order | None) -> Order | None:
+    return order
+
+
+def _without_orders(task: Callable[[_Generator], list[tuple]], gen: _Generator) -> list[tuple]:
+    return [(variant, makespan, peak, None) for variant, makespan, peak, _ in task(gen)]
 
 
 def _variants_scored(gen: _Generator, records: list[tuple]) -> list[_Scored]:
@@ -392,13 +410,21 @@ def _compacted(
     key = (tag, item.name, len(item.order[0]), rounds)
     if memo is not None and key in memo:
         source, under, bound, order, makespan, peak = memo[key]
+        if isinstance(source, PackedOrder):
+            source = source.unpack()
         if not bound and under <= cap and source == item.order:
             return _Scored(makespan, peak, item.name, item.gen, order, cap)
     order, bound, makespan, peak = compact_measured(
         item.order, costs, makespan=item.makespan, peak=item.peak, memory_cap=cap, rounds=rounds
     )
     if memo is not None:
-        memo[key] = (item.order, cap, bound, order, makespan, peak)
+        # A bound compaction is never reused (see above): its orders are left out, which keeps what the
+        # spread search sends between ranks small.
+        memo[key] = (
+            (None, cap, True, None, makespan, peak)
+            if bound
+            else (item.order, cap, False, order, makespan, peak)
+        )
     return _Scored(makespan, peak, item.name, item.gen, order, cap)
 
 
@@ -434,6 +460,11 @@ class _Curve:
         self.final: list[_Scored] = []  # for all m microbatches
         self.seen: set[tuple[str, int]] = set()
         self.memo: dict = {}  # compactions, for reuse at larger caps (see `_compacted`)
+        self.batches = 0  # batches of tasks so far: spreads each batch from a different rank on
+
+    def _next_batch(self) -> int:
+        self.batches += 1
+        return self.batches
 
     def best(self, cap: int, gather: Gather | None = None) -> _Scored | None:
         """Fastest finalist within ``cap``; grows the curve up to ``cap`` first, its independent tasks
@@ -450,7 +481,11 @@ class _Curve:
     def _admit(self, cap: int, gather: Gather | None) -> None:
         gens = self.pending.pop(cap, [])
         task = partial(_variant_records, num_microbatches=self.horizon, costs=self.costs)
-        found = spread_map(gather, task, gens)
+        if gather is not None and gather.size > 1:
+            # Only the scores travel: the few candidates shortlisted later are rebuilt where needed
+            # (the same order: builds are deterministic), most are never looked at again.
+            task = partial(_without_orders, task)
+        found = spread_map(gather, task, gens, first=self._next_batch())
         fresh = [s for g, records in zip(gens, found, strict=True) for s in _variants_scored(g, records)]
         self.ranked = sorted(self.ranked + fresh, key=lambda i: (i.makespan, i.name))
 
@@ -494,17 +529,20 @@ class _Curve:
         data (the candidate's own generator is attached here), and each task's new compactions are
         added to this rank's memo in the items' order, so every rank's memo stays the same."""
 
+        pack = _pack if gather is not None and gather.size > 1 else _same
+
         def run(index: int) -> tuple:
             writes: dict = {}
             item = items[index]
             found = task(item, ChainMap(writes, self.memo))
-            plain = None if found is None else (found.makespan, found.peak, found.order, found.cap)
+            plain = None if found is None else (found.makespan, found.peak, pack(found.order), found.cap)
+            for key, (source, under, bound, order, makespan, peak) in writes.items():
+                writes[key] = (pack(source), under, bound, pack(order), makespan, peak)
             return plain, writes
 
         out = []
-        for item, (plain, writes) in zip(
-            items, spread_map(gather, run, range(len(items)), weights), strict=True
-        ):
+        found = spread_map(gather, run, range(len(items)), weights, first=self._next_batch())
+        for item, (plain, writes) in zip(items, found, strict=True):
             self.memo.update(writes)
             source = item[0] if isinstance(item, tuple) else item
             out.append(
@@ -523,7 +561,8 @@ class _Curve:
     def _short(self, item: _Scored, memo: MutableMapping, cap: int) -> _Scored | None:
         """``item`` on the compaction horizon of ``cap``, compacted under ``cap`` (one round)."""
         horizon = self.compaction_horizon(cap)
-        built = item if len(item.order[0]) == 6 * horizon else _score(item.gen, horizon, self.costs)
+        ready = item.order is not None and len(item.order[0]) == 6 * horizon
+        built = item if ready else _score(item.gen, horizon, self.costs)
         if built is None:
             return None
         return _compacted(built, self.costs, cap, 1, memo)
