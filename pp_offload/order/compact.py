@@ -132,29 +132,41 @@ def _fill_once(
     head = {r: 0 for r in ranks}
     clock = {r: 0.0 for r in ranks}
     live = {r: 0.0 for r in ranks}
-    end: dict[tuple[int, str, int], tuple[float, int]] = {}
     result: Order = {r: [] for r in ranks}
-    deps = {}
-    waiters: dict[tuple[int, str, int], list[int]] = {}  # pass key -> ranks holding a pass that needs it
+    # Every pass, and every dependency named, gets an integer id (a B pass stands for its I): end times,
+    # producers and waiters are lists indexed by it, each rank's passes know their own id and their
+    # dependency's (-1: none) by position, so the hot loop hashes nothing.
+    ids: dict[tuple[int, str, int], int] = {}
+    own: dict[int, list[int]] = {}
+    needs: dict[int, list[int]] = {}
     for r in ranks:
+        own[r], needs[r] = [], []
         for a in queues[r]:
-            dep = dependency(a.stage_index, a.computation_type, a.microbatch_index, num_stages)
-            deps[a] = dep
-            if dep is not None:
-                waiters.setdefault(dep, []).append(r)
+            kind = a.computation_type
+            own[r].append(
+                ids.setdefault((a.stage_index, I if kind == B else kind, a.microbatch_index), len(ids))
+            )
+            dep = dependency(a.stage_index, kind, a.microbatch_index, num_stages)
+            needs[r].append(-1 if dep is None else ids.setdefault(dep, len(ids)))
+    end: list[float | None] = [None] * len(ids)
+    producer = [0] * len(ids)
+    waiters: list[list[int]] = [[] for _ in ids]  # pass id -> ranks holding a pass that needs it
+    for r in ranks:
+        for dep in needs[r]:
+            if dep >= 0:
+                waiters[dep].append(r)
     lanes = {r: _lanes(queues[r]) for r in ranks}
     comm = costs.comm
     cost_of = {kind: costs.of(kind) * scale for kind in (F, I, W, B)}
 
-    def ready_time(rank: int, action: Action) -> float | None:
-        dep = deps[action]
-        if dep is None:
+    def ready_time(rank: int, idx: int) -> float | None:
+        dep = needs[rank][idx]
+        if dep < 0:
             return 0.0
-        found = end.get(dep)
-        if found is None:
+        finish = end[dep]
+        if finish is None:
             return None
-        finish, producer = found
-        return finish + (comm if producer != rank else 0.0)
+        return finish + (comm if producer[dep] != rank else 0.0)
 
     heap: list[tuple[float, int]] = []
     current: dict[int, float | None] = {}
@@ -162,7 +174,7 @@ def _fill_once(
     def refresh(r: int) -> None:
         start = None
         if head[r] < len(queues[r]):
-            ready = ready_time(r, queues[r][head[r]])
+            ready = ready_time(r, head[r])
             if ready is not None:
                 start = clock[r] if clock[r] > ready else ready
         if start != current.get(r):
@@ -174,8 +186,9 @@ def _fill_once(
         action = queues[rank][idx]
         kind = action.computation_type
         finish = start + cost_of[kind]
-        key = (action.stage_index, I if kind == B else kind, action.microbatch_index)
-        end[key] = (finish, rank)
+        key = own[rank][idx]
+        end[key] = finish
+        producer[key] = rank
         clock[rank] = finish
         if kind == F:
             live[rank] += scale
@@ -186,7 +199,7 @@ def _fill_once(
         while head[rank] < len(queues[rank]) and done[rank][head[rank]]:
             head[rank] += 1
         refresh(rank)
-        for r in waiters.get(key, ()):
+        for r in waiters[key]:
             if r != rank:
                 refresh(r)
 
@@ -263,7 +276,7 @@ def _find_filler(
     Sets ``bound[0]`` when the cap alone turned a forward down (a larger cap could decide otherwise)."""
     blocked = {(queue[head].stage_index, queue[head].computation_type)}
     for idx, action in _window(queue, done, head + 1, lookahead, blocked, lanes[0]):
-        ready = ready_time(rank, action)
+        ready = ready_time(rank, idx)
         if ready is None:
             continue
         start = max(now, ready)
@@ -293,7 +306,7 @@ def _find_ready_input_grad(rank, queue, done, head, lookahead, ready_time, now, 
         if lane in met:
             continue
         met.add(lane)
-        ready = ready_time(rank, action)
+        ready = ready_time(rank, idx)
         if ready is not None and ready <= now + _EPS:
             return idx, now
     return None
