@@ -123,186 +123,216 @@ def _fill_once(
     Event-driven: the rank that runs next is the one whose head pass can start first (lowest rank on
     ties), kept in a heap; a commit only changes the start of its own rank's head and of the heads
     waiting on the pass it ends, so each pass costs O(log d) instead of a scan of every rank.
+
+    Ranks are numbered by position (in rank order, so ties break the same way) and every pass, and every
+    dependency named, gets an integer id (a B pass stands for its I): end times, producers and waiters
+    are lists indexed by it, and each rank's passes know their kind, lane, duration, memory change, own
+    id and dependency's id (-1: none) by position, so the hot loop hashes nothing.
     """
     ranks = sorted(order)
+    n = len(ranks)
     num_stages = max(a.stage_index for r in ranks for a in order[r]) + 1
-    scale = 2.0 * len(ranks) / num_stages
-    queues = {r: list(order[r]) for r in ranks}
-    done = {r: [False] * len(queues[r]) for r in ranks}
-    head = {r: 0 for r in ranks}
-    clock = {r: 0.0 for r in ranks}
-    live = {r: 0.0 for r in ranks}
-    result: Order = {r: [] for r in ranks}
-    # Every pass, and every dependency named, gets an integer id (a B pass stands for its I): end times,
-    # producers and waiters are lists indexed by it, each rank's passes know their own id and their
-    # dependency's (-1: none) by position, so the hot loop hashes nothing.
+    scale = 2.0 * n / num_stages
+    comm = costs.comm
+    cost_of = {kind: costs.of(kind) * scale for kind in (F, I, W, B)}
+    change = {F: scale, W: -scale, B: -scale}
+    queues = [list(order[r]) for r in ranks]
+    kinds = [[a.computation_type for a in q] for q in queues]
+    lanes_of = [[(a.stage_index, a.computation_type) for a in q] for q in queues]
+    durations = [[cost_of[k] for k in ks] for ks in kinds]
+    changes = [[change.get(k, 0.0) for k in ks] for ks in kinds]
     ids: dict[tuple[int, str, int], int] = {}
-    own: dict[int, list[int]] = {}
-    needs: dict[int, list[int]] = {}
-    for r in ranks:
-        own[r], needs[r] = [], []
-        for a in queues[r]:
+    own: list[list[int]] = []
+    needs: list[list[int]] = []
+    for q in queues:
+        mine, deps = [], []
+        for a in q:
             kind = a.computation_type
-            own[r].append(
+            mine.append(
                 ids.setdefault((a.stage_index, I if kind == B else kind, a.microbatch_index), len(ids))
             )
             dep = dependency(a.stage_index, kind, a.microbatch_index, num_stages)
-            needs[r].append(-1 if dep is None else ids.setdefault(dep, len(ids)))
+            deps.append(-1 if dep is None else ids.setdefault(dep, len(ids)))
+        own.append(mine)
+        needs.append(deps)
     end: list[float | None] = [None] * len(ids)
     producer = [0] * len(ids)
     waiters: list[list[int]] = [[] for _ in ids]  # pass id -> ranks holding a pass that needs it
-    for r in ranks:
-        for dep in needs[r]:
+    for p in range(n):
+        for dep in needs[p]:
             if dep >= 0:
-                waiters[dep].append(r)
-    lanes = {r: _lanes(queues[r]) for r in ranks}
-    comm = costs.comm
-    cost_of = {kind: costs.of(kind) * scale for kind in (F, I, W, B)}
+                waiters[dep].append(p)
+    lanes = [_lanes(lane_list) for lane_list in lanes_of]
+    sizes = [len(q) for q in queues]
+    done = [[False] * size for size in sizes]
+    head = [0] * n
+    clock = [0.0] * n
+    live = [0.0] * n
+    cap_of = [caps[r] for r in ranks]
+    result: list[list[Action]] = [[] for _ in range(n)]
 
-    def ready_time(rank: int, idx: int) -> float | None:
-        dep = needs[rank][idx]
+    def ready_time(p: int, idx: int) -> float | None:
+        dep = needs[p][idx]
         if dep < 0:
             return 0.0
         finish = end[dep]
         if finish is None:
             return None
-        return finish + (comm if producer[dep] != rank else 0.0)
+        return finish + (comm if producer[dep] != p else 0.0)
 
     heap: list[tuple[float, int]] = []
-    current: dict[int, float | None] = {}
+    current: list[float | None] = [None] * n
+    push = heapq.heappush
 
-    def refresh(r: int) -> None:
+    def refresh(p: int) -> None:
         start = None
-        if head[r] < len(queues[r]):
-            ready = ready_time(r, head[r])
+        h = head[p]
+        if h < sizes[p]:
+            dep = needs[p][h]
+            if dep < 0:
+                ready = 0.0
+            else:
+                ready = end[dep]
+                if ready is not None and producer[dep] != p:
+                    ready += comm
             if ready is not None:
-                start = clock[r] if clock[r] > ready else ready
-        if start != current.get(r):
-            current[r] = start
+                start = clock[p] if clock[p] > ready else ready
+        if start != current[p]:
+            current[p] = start
             if start is not None:
-                heapq.heappush(heap, (start, r))
+                push(heap, (start, p))
 
-    def commit(rank: int, idx: int, start: float) -> None:
-        action = queues[rank][idx]
-        kind = action.computation_type
-        finish = start + cost_of[kind]
-        key = own[rank][idx]
+    def commit(p: int, idx: int, start: float) -> None:
+        finish = start + durations[p][idx]
+        key = own[p][idx]
         end[key] = finish
-        producer[key] = rank
-        clock[rank] = finish
-        if kind == F:
-            live[rank] += scale
-        elif kind in (W, B):
-            live[rank] -= scale
-        done[rank][idx] = True
-        result[rank].append(action)
-        while head[rank] < len(queues[rank]) and done[rank][head[rank]]:
-            head[rank] += 1
-        refresh(rank)
-        for r in waiters[key]:
-            if r != rank:
-                refresh(r)
+        producer[key] = p
+        clock[p] = finish
+        live[p] += changes[p][idx]
+        flags = done[p]
+        flags[idx] = True
+        result[p].append(queues[p][idx])
+        h, size = head[p], sizes[p]
+        while h < size and flags[h]:
+            h += 1
+        head[p] = h
+        refresh(p)
+        for other in waiters[key]:
+            if other != p:
+                refresh(other)
 
-    for r in ranks:
-        refresh(r)
+    for p in range(n):
+        refresh(p)
     cap_bound = [False]
-    remaining = sum(len(q) for q in queues.values())
+    remaining = sum(sizes)
+    pop = heapq.heappop
     while remaining:
-        while heap and current.get(heap[0][1]) != heap[0][0]:
-            heapq.heappop(heap)  # stale: that rank's head start changed since
+        while heap and current[heap[0][1]] != heap[0][0]:
+            pop(heap)  # stale: that rank's head start changed since
         if not heap:
-            stuck = {r: str(queues[r][head[r]]) for r in ranks if head[r] < len(queues[r])}
+            stuck = {ranks[p]: str(queues[p][head[p]]) for p in range(n) if head[p] < sizes[p]}
             raise ValueError(f"order cannot complete; blocked actions per rank: {stuck}")
-        head_start, rank = heap[0]
+        head_start, p = heap[0]
         filler = None
-        if promote_input_grads and queues[rank][head[rank]].computation_type == W:
+        if promote_input_grads and kinds[p][head[p]] == W:
             filler = _find_ready_input_grad(
-                rank, queues[rank], done[rank], head[rank], lookahead, ready_time, clock[rank], lanes[rank]
+                p, kinds[p], lanes_of[p], done[p], head[p], lookahead, ready_time, clock[p], lanes[p]
             )
-        if filler is None and head_start > clock[rank] + _EPS:
+        if filler is None and head_start > clock[p] + _EPS:
             filler = _find_filler(
-                rank,
+                p,
                 head_start,
-                queues[rank],
-                done[rank],
-                head[rank],
+                kinds[p],
+                lanes_of[p],
+                durations[p],
+                done[p],
+                head[p],
                 lookahead,
                 ready_time,
-                clock[rank],
-                live[rank],
-                caps[rank],
-                cost_of,
+                clock[p],
+                live[p],
+                cap_of[p],
                 scale,
-                lanes[rank],
+                lanes[p],
                 cap_bound,
             )
         if filler is not None:
-            commit(rank, *filler)
+            commit(p, *filler)
         else:
-            commit(rank, head[rank], head_start)
+            commit(p, head[p], head_start)
         remaining -= 1
-    return result, cap_bound[0]
+    return {r: result[p] for p, r in enumerate(ranks)}, cap_bound[0]
 
 
-def _lanes(queue: list[Action]) -> tuple[int, int]:
+def _lanes(lane_list: list[tuple[int, str]]) -> tuple[int, int]:
     """How many (stage, kind) lanes a rank's list has in all, and how many of them are input gradients:
     a window scan can stop once it has met them all (later passes are blocked behind their lane)."""
-    kinds = {(a.stage_index, a.computation_type) for a in queue}
+    kinds = set(lane_list)
     return len(kinds), sum(1 for _, kind in kinds if kind in (I, B))
 
 
-def _window(queue, done, first, lookahead, blocked, num_lanes):
-    """Not-yet-run passes from ``first`` on, at most ``lookahead`` of them, each the earliest of its
-    (stage, kind) lane: a pass may overtake others, but never one of its own lane (microbatch order)."""
+def _find_filler(
+    rank,
+    head_start,
+    kinds,
+    lane_list,
+    durations,
+    done,
+    head,
+    lookahead,
+    ready_time,
+    now,
+    live,
+    cap,
+    scale,
+    lanes,
+    bound,
+):
+    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap.
+    Sets ``bound[0]`` when the cap alone turned a forward down (a larger cap could decide otherwise).
+
+    Candidates are the not-yet-run passes after the head, at most ``lookahead`` of them, each the
+    earliest of its (stage, kind) lane: a pass may overtake others, but never one of its own lane
+    (microbatch order)."""
+    blocked = {lane_list[head]}
+    num_lanes = lanes[0]
     seen = 0
-    for idx in range(first, len(queue)):
+    for idx in range(head + 1, len(kinds)):
         if done[idx]:
             continue
         seen += 1
         if seen > lookahead or len(blocked) >= num_lanes:
-            return
-        action = queue[idx]
-        lane = (action.stage_index, action.computation_type)
+            return None
+        lane = lane_list[idx]
         if lane in blocked:
             continue
         blocked.add(lane)
-        yield idx, action
-
-
-def _find_filler(
-    rank, head_start, queue, done, head, lookahead, ready_time, now, live, cap, cost_of, scale, lanes, bound
-):
-    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap.
-    Sets ``bound[0]`` when the cap alone turned a forward down (a larger cap could decide otherwise)."""
-    blocked = {(queue[head].stage_index, queue[head].computation_type)}
-    for idx, action in _window(queue, done, head + 1, lookahead, blocked, lanes[0]):
         ready = ready_time(rank, idx)
         if ready is None:
             continue
-        start = max(now, ready)
-        if start + cost_of[action.computation_type] > head_start + _EPS:
+        start = now if now > ready else ready
+        if start + durations[idx] > head_start + _EPS:
             continue
-        if action.computation_type == F and not _fits_earlier(queue, done, head, idx, live, scale, cap):
+        if kinds[idx] == F and not _fits_earlier(kinds, done, head, idx, live, scale, cap):
             bound[0] = True
             continue
         return idx, start
     return None
 
 
-def _find_ready_input_grad(rank, queue, done, head, lookahead, ready_time, now, lanes):
+def _find_ready_input_grad(rank, kinds, lane_list, done, head, lookahead, ready_time, now, lanes):
     """First I/B after the head that can start right now, keeping per-lane microbatch order."""
     seen = 0
     met = set()
-    for idx in range(head, len(queue)):
+    for idx in range(head, len(kinds)):
         if done[idx]:
             continue
         seen += 1
         if seen > lookahead or len(met) >= lanes[1]:
             return None
-        action = queue[idx]
-        if action.computation_type not in (I, B):
+        if kinds[idx] not in (I, B):
             continue
-        lane = (action.stage_index, action.computation_type)
+        lane = lane_list[idx]
         if lane in met:
             continue
         met.add(lane)
@@ -312,7 +342,7 @@ def _find_ready_input_grad(rank, queue, done, head, lookahead, ready_time, now, 
     return None
 
 
-def _fits_earlier(queue, done, head, idx, live, scale, cap) -> bool:
+def _fits_earlier(kinds, done, head, idx, live, scale, cap) -> bool:
     """Would running the F at ``idx`` now keep every later point of the rank's sequence under ``cap``?
 
     Moving an F earlier adds one chunk to the rank's memory at every pass between its new and its old
@@ -324,7 +354,7 @@ def _fits_earlier(queue, done, head, idx, live, scale, cap) -> bool:
     for j in range(head, idx):
         if done[j]:
             continue
-        kind = queue[j].computation_type
+        kind = kinds[j]
         if kind == F:
             level += scale
             if level > cap + _EPS:
