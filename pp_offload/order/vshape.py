@@ -19,6 +19,11 @@ above the cap it is compacted under). The search is grown cap by cap (`_Curve`) 
 depends on the requested limit, so a larger limit never gives a slower order. Every order respects its
 cap (its replayed peak is checked). Results can be cached on disk (`pp_offload.order.cache`).
 
+Ranks that all need the same order can search together (``gather=``, `pp_offload.order.spread`): each
+batch of independent tasks (scoring the candidates that join at a cap, compacting a cap's shortlist,
+finishing its finalists) is split between them and exchanged, so every rank holds every result and
+takes every decision exactly as a single process would.
+
 Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 - V-Min:  ``2 * floor((d + 4) / 3)``, about 1/3 of 1F1B;
 - V-Half: ``2 * floor((d + 2) / 2)``, about 1/2;
@@ -57,6 +62,7 @@ _ROUNDS = 3  # compaction rounds of a cap's fastest candidates (the others get o
 _LEADS = 3  # how many of a cap's candidates are the fastest
 _DEEP_LEADS = 2  # beyond d=8
 _WARM_QUOTA = 2  # warm-up rewritten candidates shortlisted per cap, besides the others
+_ADMIT_WEIGHT = 5.0  # a greedy candidate costs about this many cap-free ones to build (d=16 profile)
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -307,19 +313,14 @@ class _Scored:
         return self.stored
 
 
-def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -> list[_Scored]:
-    """The candidate, with its drain rewritten, with its warm-up rewritten, and with both: the real costs
-    decide which is better."""
-    return _variants_scored(gen, _variant_records(gen, num_microbatches, costs))
-
-
 # A candidate's variants: (warm-up rewritten, drain rewritten), in the order they are scored.
 _VARIANTS = ((False, False), (True, False), (False, True), (True, True))
 
 
 def _variant_records(gen: _Generator, num_microbatches: int, costs: Costs) -> list[tuple]:
-    """``(variant, makespan, peak, order)`` of each variant of ``gen`` that exists and runs: the part of
-    `_score_with_cooldown` that is worth spreading over ranks (plain data, cheap to send)."""
+    """``(variant, makespan, peak, order)`` of each variant of ``gen`` that exists and runs: the
+    candidate, with its warm-up rewritten, with its drain rewritten, and with both (the real costs decide
+    which is better). Plain data, so that ranks searching together can send it."""
     order = gen.build(num_microbatches)
     if order is None:
         return []
@@ -469,12 +470,15 @@ class _Curve:
     def best(self, cap: int, gather: Gather | None = None) -> _Scored | None:
         """Fastest finalist within ``cap``; grows the curve up to ``cap`` first, its independent tasks
         spread over ``gather``'s ranks when given (every rank of the group must call this together)."""
+        if gather is not None and gather.size > 1 and self.done_cap < cap:
+            self._grow_together(list(range(self.done_cap + 1, cap + 1)), gather)
+            self.done_cap = cap
         if not self.admitted and self.done_cap < cap:
-            self._admit(0, gather)
+            self._admit(0, None)
             self.admitted = True
         while self.done_cap < cap:
             self.done_cap += 1
-            self._grow(self.done_cap, gather)
+            self._grow(self.done_cap)
         fitting = [i for i in self.final if i.peak <= cap]
         return min(fitting, key=lambda i: (i.makespan, i.peak, i.name), default=None)
 
@@ -489,8 +493,72 @@ class _Curve:
         fresh = [s for g, records in zip(gens, found, strict=True) for s in _variants_scored(g, records)]
         self.ranked = sorted(self.ranked + fresh, key=lambda i: (i.makespan, i.name))
 
-    def _grow(self, cap: int, gather: Gather | None) -> None:
-        self._admit(cap, gather)
+    def _grow(self, cap: int) -> None:
+        """One cap, in this process: its candidates join, its shortlist is compacted, its finalists made."""
+        self._admit(cap, None)
+        shortlist = self._shortlist(cap)
+        shorts = self._spread(None, partial(self._short, cap=cap), shortlist, shortlist, None)
+        fresh = [short for short in shorts if short is not None]
+        if not fresh:
+            return
+        is_lead = self._leads(fresh)
+        entries = list(zip(fresh, is_lead, strict=True))
+        self.final += [
+            f for f in self._spread(None, partial(self._finished, cap=cap), entries, fresh, None) if f
+        ]
+
+    def _grow_together(self, caps: list[int], gather: Gather) -> None:
+        """``caps`` at once, spread over ``gather``'s ranks, in three exchanges instead of three per cap.
+
+        Each cap's tasks need only earlier stages of the same cap (its shortlist needs the candidates
+        joined up to it, its finalists its shortlist), so every cap's candidates are scored in one batch,
+        every cap's shortlist compacted in the next and every cap's finalists made in the last: many
+        tasks per exchange, so the ranks stay busy. The one thing `_grow` has that this has not is the
+        reuse, within the caps of one call, of a compaction an earlier cap left unconstrained
+        (`compact_bound`): each is compacted afresh instead, which gives the same order (that is the
+        condition of the reuse), so every decision and every result are the serial search's."""
+        joining = [(c, g) for c in ([] if self.admitted else [0]) + caps for g in self.pending.pop(c, [])]
+        self.admitted = True
+        task = partial(
+            _without_orders, partial(_variant_records, num_microbatches=self.horizon, costs=self.costs)
+        )
+        gens = [g for _, g in joining]
+        found = spread_map(
+            gather, task, gens, [_ADMIT_WEIGHT if g.cap else 1.0 for g in gens], self._next_batch()
+        )
+        by_cap: dict[int, list[_Scored]] = {}
+        for (c, g), records in zip(joining, found, strict=True):
+            by_cap.setdefault(c, []).extend(_variants_scored(g, records))
+        self.ranked = sorted(self.ranked + by_cap.pop(0, []), key=lambda i: (i.makespan, i.name))
+        jobs: list[tuple[int, _Scored]] = []
+        for c in caps:
+            self.ranked = sorted(self.ranked + by_cap.get(c, []), key=lambda i: (i.makespan, i.name))
+            jobs += [(c, item) for item in self._shortlist(c)]
+        shorts = self._spread(
+            gather,
+            lambda job, memo: self._short(job[1], memo, job[0]),
+            jobs,
+            [item for _, item in jobs],
+            [float(self.compaction_horizon(c)) for c, _ in jobs],
+        )
+        entries: list[tuple[int, _Scored, bool]] = []
+        for c in caps:
+            fresh = [
+                short for (jc, _), short in zip(jobs, shorts, strict=True) if jc == c and short is not None
+            ]
+            if fresh:
+                entries += [(c, short, lead) for short, lead in zip(fresh, self._leads(fresh), strict=True)]
+        finals = self._spread(
+            gather,
+            lambda entry, memo: self._finished(entry[1:], memo, entry[0]),
+            entries,
+            [short for _, short, _ in entries],
+            [3.0 * self.m if lead else 1.0 * self.m for _, _, lead in entries],
+        )
+        self.final += [final for final in finals if final is not None]
+
+    def _shortlist(self, cap: int) -> list[_Scored]:
+        """The candidates compacted under ``cap`` (see the class doc), each once per cap."""
         # Below V-Min's memory only the greedy family fits and the bubble is large whatever is done:
         # two candidates per cap keep every limit >= 2 feasible at a fraction of the cost.
         low = cap < v_min_cap(self.d)
@@ -504,30 +572,27 @@ class _Curve:
             if (item.name, cap) not in self.seen:
                 self.seen.add((item.name, cap))
                 shortlist.append(item)
-        shorts = self._spread(gather, partial(self._short, cap=cap), shortlist, [1.0] * len(shortlist))
-        fresh = [short for short in shorts if short is not None]
-        if not fresh:
-            return
-        # One round of compaction ranks this cap's shortlist; only its fastest few get the full three (the
-        # rounds continue where the first stopped, so that is exactly a three-round compaction).
-        # Warm-up rewrites lead on a quota of their own, so that the other candidates are treated exactly
-        # as without them (every order found without the rewrite is still found).
+        return shortlist
+
+    def _leads(self, fresh: list[_Scored]) -> list[bool]:
+        """Which of a cap's compacted shortlist get all three compaction rounds.
+
+        One round of compaction ranks this cap's shortlist; only its fastest few get the full three (the
+        rounds continue where the first stopped, so that is exactly a three-round compaction). Warm-up
+        rewrites lead on a quota of their own, so that the other candidates are treated exactly as
+        without them (every order found without the rewrite is still found)."""
         keep = _LEADS if self.d <= _DEEP else _DEEP_LEADS
         ranked = sorted(fresh, key=lambda i: (i.makespan, i.name))
         leads = [i for i in ranked if not i.gen.warm][:keep] + [i for i in ranked if i.gen.warm][:1]
-        is_lead = [short in leads for short in fresh]
-        finals = self._spread(
-            gather,
-            partial(self._finished, cap=cap),
-            list(zip(fresh, is_lead, strict=True)),
-            [3.0 if lead else 1.0 for lead in is_lead],
-        )
-        self.final += [final for final in finals if final is not None]
+        return [short in leads for short in fresh]
 
-    def _spread(self, gather, task, items: list, weights: list[float]) -> list[_Scored | None]:
+    def _spread(
+        self, gather, task, items: list, sources: list[_Scored], weights: list[float] | None
+    ) -> list[_Scored | None]:
         """``task(item, memo)`` for every item, spread over ``gather``'s ranks: results come back as plain
-        data (the candidate's own generator is attached here), and each task's new compactions are
-        added to this rank's memo in the items' order, so every rank's memo stays the same."""
+        data (the generator of the item's ``source`` candidate is attached here), and each task's new
+        compactions are added to this rank's memo in the items' order, so every rank's memo stays the
+        same."""
 
         pack = _pack if gather is not None and gather.size > 1 else _same
 
@@ -542,9 +607,8 @@ class _Curve:
 
         out = []
         found = spread_map(gather, run, range(len(items)), weights, first=self._next_batch())
-        for item, (plain, writes) in zip(items, found, strict=True):
+        for source, (plain, writes) in zip(sources, found, strict=True):
             self.memo.update(writes)
-            source = item[0] if isinstance(item, tuple) else item
             out.append(
                 None if plain is None else _Scored(plain[0], plain[1], source.name, source.gen, *plain[2:])
             )
