@@ -697,7 +697,11 @@ def _search_together(
         return cached
     if len({done for _, done in states}) > 1:
         return cached if cached is not None else _search(num_ranks, num_microbatches, costs, cap)
-    return _search(num_ranks, num_microbatches, costs, cap, gather)
+    try:
+        return _search(num_ranks, num_microbatches, costs, cap, gather)
+    except BaseException:
+        _curve.cache_clear()  # a search cut short leaves its curve half grown: never serve from it
+        raise
 
 
 def smallest_feasible_peak(num_ranks: int, num_microbatches: int) -> float:
