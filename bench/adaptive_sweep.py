@@ -46,9 +46,10 @@ REFERENCE: dict[tuple[int, int, str, int], tuple[float, str]] = {
 CONSTRUCTION = ((4, 16), (8, 32), (16, 64), (32, 128))
 
 
-def construction_time(d: int, m: int, costs_name: str) -> dict[str, Any]:
+def construction_time(d: int, m: int, costs_name: str, spread: bool = True) -> dict[str, Any]:
     """CPU seconds to build V-ZB's order (the whole curve of the search) cold, with no disk cache, and
-    again from a warm disk cache (a fresh temporary directory, filled by the cold run)."""
+    again from a warm disk cache (a fresh temporary directory, filled by the cold run); with ``spread``,
+    also cold on d ranks searching together (`spread_construction_time`)."""
     import os
     import tempfile
 
@@ -74,15 +75,78 @@ def construction_time(d: int, m: int, costs_name: str) -> dict[str, Any]:
         else:
             os.environ[cache.ENV] = saved
     assert warm == cold
-    return {"d": d, "m": m, "costs": costs_name, "cold_seconds": cold_s, "cached_seconds": cached_s}
+    row = {"d": d, "m": m, "costs": costs_name, "cold_seconds": cold_s, "cached_seconds": cached_s}
+    if spread:
+        row.update(spread_construction_time(d, m, costs_name, cold))
+    return row
+
+
+def spread_construction_time(d: int, m: int, costs_name: str, serial: dict | None = None) -> dict[str, Any]:
+    """V-ZB's order built cold by ``d`` gloo ranks searching together (`pp_offload.order.spread`), as the
+    schedule classes do: CPU seconds of each rank, whether every rank got ``serial`` (the single-process
+    order), and the critical path: the sum over exchanges of the slowest rank's CPU time since the
+    previous one (packing and unpacking included), i.e. the wall time with a core per rank, less the
+    exchanges' network latency (this machine may have fewer cores than ranks, so its wall time says
+    nothing)."""
+    from pp_offload.launch import run_on_ranks
+
+    results = run_on_ranks(_spread_rank, d, d, m, costs_name, timeout=3600, op_timeout=900)
+    cpu = [r[0] for r in results]
+    same = serial is None or all(r[1] == serial for r in results)
+    steps = [r[2] for r in results]
+    critical = sum(max(step) for step in zip(*steps, strict=True))
+    return {
+        "spread_ranks": d,
+        "spread_busiest_seconds": max(cpu),
+        "spread_mean_seconds": sum(cpu) / d,
+        "spread_critical_seconds": critical,
+        "spread_exchanges": len(steps[0]),
+        "spread_same": same,
+    }
+
+
+def _spread_rank(rank: int, world: int, d: int, m: int, costs_name: str) -> tuple[float, dict, list[float]]:
+    import os
+
+    os.environ["PP_OFFLOAD_ORDER_CACHE"] = "off"
+    from pp_offload.order import v_zb_order
+    from pp_offload.runtime.search_group import GroupGather
+
+    gather = GroupGather()
+    gather.all_gather(None)  # every rank started: the timing is the search's, not the launch's
+    exchange, steps, last = gather.all_gather, [], [time.process_time()]
+
+    def timed(obj):  # CPU time of this rank from one exchange to the next (the exchange's own included)
+        now = time.process_time()
+        steps.append(now - last[0])
+        last[0] = now
+        return exchange(obj)
+
+    gather.all_gather = timed
+    start = time.process_time()
+    order = v_zb_order(d, m, COSTS[costs_name], gather=gather)
+    now = time.process_time()
+    steps.append(now - last[0])
+    return now - start, order, steps
 
 
 def print_construction(rows: list[dict[str, Any]]) -> None:
-    print("\nConstruction time of V-ZB's order (the whole curve), CPU seconds")
-    print(f"  {'d':>3} {'m':>4} {'costs':>6} {'cold':>7} {'cached':>7}")
+    print("\nConstruction time of V-ZB's order (the whole curve), CPU seconds; spread: d gloo ranks search")
+    print("together, CPU seconds of the busiest rank (mean over ranks); critical: the sum over exchanges of")
+    print("the slowest rank's CPU seconds since the last one (wall time with a core per rank, less latency);")
+    print("same: every rank got the serial order")
+    print(f"  {'d':>3} {'m':>4} {'costs':>6} {'cold':>7} {'cached':>7} {'spread':>15} {'critical':>8} same")
     for r in rows:
         cold, cached = r["cold_seconds"], r["cached_seconds"]
-        print(f"  {r['d']:>3} {r['m']:>4} {r['costs']:>6} {cold:>7.2f} {cached:>7.3f}")
+        spread = critical = ""
+        if "spread_busiest_seconds" in r:
+            spread = f"{r['spread_busiest_seconds']:.2f} ({r['spread_mean_seconds']:.2f})"
+            critical = f"{r['spread_critical_seconds']:.2f}"
+        same = {True: "yes", False: "NO"}.get(r.get("spread_same"), "")
+        cells = (
+            f"{r['d']:>3} {r['m']:>4} {r['costs']:>6} {cold:>7.2f} {cached:>7.3f} {spread:>15} {critical:>8}"
+        )
+        print(f"  {cells} {same}")
 
 
 def floor_bubble(d: int, m: int, costs: dict[str, float]) -> float:

@@ -175,6 +175,7 @@ def build_rank(
     ours = info.module == "pp_offload.runtime.schedules"
     if ours:
         kwargs["costs"] = costs
+        kwargs["spread_search"] = False  # the peers are not there: this rank searches its order alone
         if config.offload != "none":
             kwargs["offload"] = config.offload
             if inputs is not None:  # the planner's figures: the runtime places what the planner predicts

@@ -54,7 +54,39 @@ def compact_bound(
     measure = _replay_ranks if is_v_order(order) else _simulate_ranks
     base_time, base_peaks = measure(order, costs)
     caps = dict(base_peaks) if memory_cap is None else dict(memory_cap)
-    best, best_time = order, base_time
+    best, bound, _, _ = _compact_from(order, costs, caps, lookahead, rounds, measure, base_time, base_peaks)
+    return best, bound
+
+
+def compact_measured(
+    order: Order, costs: Costs, *, makespan: float, peak: int, memory_cap: float, rounds: int = 3
+) -> tuple[Order, bool, float, int]:
+    """`compact_bound` of a V order the caller has replayed already (``makespan``, ``peak``), under one
+    cap for every rank; also returns the result's makespan and peak.
+
+    Why: the adaptive search replays every candidate before it compacts it and every result after;
+    compaction replays both anyway, so passing the first in and the second out saves two of the few
+    replays each compaction costs (the same numbers: the same replay of the same order).
+    """
+    if not is_v_order(order):
+        best, bound = compact_bound(
+            order, costs, memory_cap=dict.fromkeys(order, float(memory_cap)), rounds=rounds
+        )
+        best_time, peaks = _simulate_ranks(best, costs)
+        return best, bound, best_time, int(max(peaks.values()))
+    caps = dict.fromkeys(order, float(memory_cap))
+    best, bound, best_time, best_peaks = _compact_from(
+        order, costs, caps, None, rounds, _replay_ranks, makespan, None
+    )
+    if best_peaks is None:  # no round improved: ``order`` itself, as measured by the caller
+        return best, bound, makespan, peak
+    return best, bound, best_time, int(max(best_peaks.values()))
+
+
+def _compact_from(order, costs, caps, lookahead, rounds, measure, base_time, base_peaks):
+    """The compaction rounds of `compact_bound` from a measured ``order``: (best order, bound, its
+    makespan, its per-rank peaks or None when it is ``order`` itself and ``base_peaks`` was None)."""
+    best, best_time, best_peaks = order, base_time, base_peaks
     bound = False
     for _ in range(rounds):
         improved = False
@@ -65,10 +97,10 @@ def compact_bound(
             fits = all(peaks[r] <= caps[r] + _EPS for r in candidate)
             bound = bound or not fits
             if fits and makespan < best_time - _EPS:
-                best, best_time, improved = candidate, makespan, True
+                best, best_time, best_peaks, improved = candidate, makespan, peaks, True
         if not improved:
             break
-    return best, bound
+    return best, bound, best_time, best_peaks
 
 
 def _replay_ranks(order: Order, costs: Costs) -> tuple[float, dict[int, float]]:
@@ -91,183 +123,226 @@ def _fill_once(
     Event-driven: the rank that runs next is the one whose head pass can start first (lowest rank on
     ties), kept in a heap; a commit only changes the start of its own rank's head and of the heads
     waiting on the pass it ends, so each pass costs O(log d) instead of a scan of every rank.
+
+    Ranks are numbered by position (in rank order, so ties break the same way) and every pass, and every
+    dependency named, gets an integer id (a B pass stands for its I): end times, producers and waiters
+    are lists indexed by it, and each rank's passes know their kind, lane, duration, memory change, own
+    id and dependency's id (-1: none) by position, so the hot loop hashes nothing.
     """
     ranks = sorted(order)
+    n = len(ranks)
     num_stages = max(a.stage_index for r in ranks for a in order[r]) + 1
-    scale = 2.0 * len(ranks) / num_stages
-    queues = {r: list(order[r]) for r in ranks}
-    done = {r: [False] * len(queues[r]) for r in ranks}
-    head = {r: 0 for r in ranks}
-    clock = {r: 0.0 for r in ranks}
-    live = {r: 0.0 for r in ranks}
-    end: dict[tuple[int, str, int], tuple[float, int]] = {}
-    result: Order = {r: [] for r in ranks}
-    deps = {}
-    waiters: dict[tuple[int, str, int], list[int]] = {}  # pass key -> ranks holding a pass that needs it
-    for r in ranks:
-        for a in queues[r]:
-            dep = dependency(a.stage_index, a.computation_type, a.microbatch_index, num_stages)
-            deps[a] = dep
-            if dep is not None:
-                waiters.setdefault(dep, []).append(r)
-    lanes = {r: _lanes(queues[r]) for r in ranks}
+    scale = 2.0 * n / num_stages
     comm = costs.comm
     cost_of = {kind: costs.of(kind) * scale for kind in (F, I, W, B)}
+    change = {F: scale, W: -scale, B: -scale}
+    queues = [list(order[r]) for r in ranks]
+    kinds = [[a.computation_type for a in q] for q in queues]
+    lanes_of = [[(a.stage_index, a.computation_type) for a in q] for q in queues]
+    durations = [[cost_of[k] for k in ks] for ks in kinds]
+    changes = [[change.get(k, 0.0) for k in ks] for ks in kinds]
+    ids: dict[tuple[int, str, int], int] = {}
+    own: list[list[int]] = []
+    needs: list[list[int]] = []
+    for q in queues:
+        mine, deps = [], []
+        for a in q:
+            kind = a.computation_type
+            mine.append(
+                ids.setdefault((a.stage_index, I if kind == B else kind, a.microbatch_index), len(ids))
+            )
+            dep = dependency(a.stage_index, kind, a.microbatch_index, num_stages)
+            deps.append(-1 if dep is None else ids.setdefault(dep, len(ids)))
+        own.append(mine)
+        needs.append(deps)
+    end: list[float | None] = [None] * len(ids)
+    producer = [0] * len(ids)
+    waiters: list[list[int]] = [[] for _ in ids]  # pass id -> ranks holding a pass that needs it
+    for p in range(n):
+        for dep in needs[p]:
+            if dep >= 0:
+                waiters[dep].append(p)
+    lanes = [_lanes(lane_list) for lane_list in lanes_of]
+    sizes = [len(q) for q in queues]
+    done = [[False] * size for size in sizes]
+    head = [0] * n
+    clock = [0.0] * n
+    live = [0.0] * n
+    cap_of = [caps[r] for r in ranks]
+    result: list[list[Action]] = [[] for _ in range(n)]
 
-    def ready_time(rank: int, action: Action) -> float | None:
-        dep = deps[action]
-        if dep is None:
+    def ready_time(p: int, idx: int) -> float | None:
+        dep = needs[p][idx]
+        if dep < 0:
             return 0.0
-        found = end.get(dep)
-        if found is None:
+        finish = end[dep]
+        if finish is None:
             return None
-        finish, producer = found
-        return finish + (comm if producer != rank else 0.0)
+        return finish + (comm if producer[dep] != p else 0.0)
 
     heap: list[tuple[float, int]] = []
-    current: dict[int, float | None] = {}
+    current: list[float | None] = [None] * n
+    push = heapq.heappush
 
-    def refresh(r: int) -> None:
+    def refresh(p: int) -> None:
         start = None
-        if head[r] < len(queues[r]):
-            ready = ready_time(r, queues[r][head[r]])
+        h = head[p]
+        if h < sizes[p]:
+            dep = needs[p][h]
+            if dep < 0:
+                ready = 0.0
+            else:
+                ready = end[dep]
+                if ready is not None and producer[dep] != p:
+                    ready += comm
             if ready is not None:
-                start = clock[r] if clock[r] > ready else ready
-        if start != current.get(r):
-            current[r] = start
+                start = clock[p] if clock[p] > ready else ready
+        if start != current[p]:
+            current[p] = start
             if start is not None:
-                heapq.heappush(heap, (start, r))
+                push(heap, (start, p))
 
-    def commit(rank: int, idx: int, start: float) -> None:
-        action = queues[rank][idx]
-        kind = action.computation_type
-        finish = start + cost_of[kind]
-        key = (action.stage_index, I if kind == B else kind, action.microbatch_index)
-        end[key] = (finish, rank)
-        clock[rank] = finish
-        if kind == F:
-            live[rank] += scale
-        elif kind in (W, B):
-            live[rank] -= scale
-        done[rank][idx] = True
-        result[rank].append(action)
-        while head[rank] < len(queues[rank]) and done[rank][head[rank]]:
-            head[rank] += 1
-        refresh(rank)
-        for r in waiters.get(key, ()):
-            if r != rank:
-                refresh(r)
+    def commit(p: int, idx: int, start: float) -> None:
+        finish = start + durations[p][idx]
+        key = own[p][idx]
+        end[key] = finish
+        producer[key] = p
+        clock[p] = finish
+        live[p] += changes[p][idx]
+        flags = done[p]
+        flags[idx] = True
+        result[p].append(queues[p][idx])
+        h, size = head[p], sizes[p]
+        while h < size and flags[h]:
+            h += 1
+        head[p] = h
+        refresh(p)
+        for other in waiters[key]:
+            if other != p:
+                refresh(other)
 
-    for r in ranks:
-        refresh(r)
+    for p in range(n):
+        refresh(p)
     cap_bound = [False]
-    remaining = sum(len(q) for q in queues.values())
+    remaining = sum(sizes)
+    pop = heapq.heappop
     while remaining:
-        while heap and current.get(heap[0][1]) != heap[0][0]:
-            heapq.heappop(heap)  # stale: that rank's head start changed since
+        while heap and current[heap[0][1]] != heap[0][0]:
+            pop(heap)  # stale: that rank's head start changed since
         if not heap:
-            stuck = {r: str(queues[r][head[r]]) for r in ranks if head[r] < len(queues[r])}
+            stuck = {ranks[p]: str(queues[p][head[p]]) for p in range(n) if head[p] < sizes[p]}
             raise ValueError(f"order cannot complete; blocked actions per rank: {stuck}")
-        head_start, rank = heap[0]
+        head_start, p = heap[0]
         filler = None
-        if promote_input_grads and queues[rank][head[rank]].computation_type == W:
+        if promote_input_grads and kinds[p][head[p]] == W:
             filler = _find_ready_input_grad(
-                rank, queues[rank], done[rank], head[rank], lookahead, ready_time, clock[rank], lanes[rank]
+                p, kinds[p], lanes_of[p], done[p], head[p], lookahead, ready_time, clock[p], lanes[p]
             )
-        if filler is None and head_start > clock[rank] + _EPS:
+        if filler is None and head_start > clock[p] + _EPS:
             filler = _find_filler(
-                rank,
+                p,
                 head_start,
-                queues[rank],
-                done[rank],
-                head[rank],
+                kinds[p],
+                lanes_of[p],
+                durations[p],
+                done[p],
+                head[p],
                 lookahead,
                 ready_time,
-                clock[rank],
-                live[rank],
-                caps[rank],
-                cost_of,
+                clock[p],
+                live[p],
+                cap_of[p],
                 scale,
-                lanes[rank],
+                lanes[p],
                 cap_bound,
             )
         if filler is not None:
-            commit(rank, *filler)
+            commit(p, *filler)
         else:
-            commit(rank, head[rank], head_start)
+            commit(p, head[p], head_start)
         remaining -= 1
-    return result, cap_bound[0]
+    return {r: result[p] for p, r in enumerate(ranks)}, cap_bound[0]
 
 
-def _lanes(queue: list[Action]) -> tuple[int, int]:
+def _lanes(lane_list: list[tuple[int, str]]) -> tuple[int, int]:
     """How many (stage, kind) lanes a rank's list has in all, and how many of them are input gradients:
     a window scan can stop once it has met them all (later passes are blocked behind their lane)."""
-    kinds = {(a.stage_index, a.computation_type) for a in queue}
+    kinds = set(lane_list)
     return len(kinds), sum(1 for _, kind in kinds if kind in (I, B))
 
 
-def _window(queue, done, first, lookahead, blocked, num_lanes):
-    """Not-yet-run passes from ``first`` on, at most ``lookahead`` of them, each the earliest of its
-    (stage, kind) lane: a pass may overtake others, but never one of its own lane (microbatch order)."""
+def _find_filler(
+    rank,
+    head_start,
+    kinds,
+    lane_list,
+    durations,
+    done,
+    head,
+    lookahead,
+    ready_time,
+    now,
+    live,
+    cap,
+    scale,
+    lanes,
+    bound,
+):
+    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap.
+    Sets ``bound[0]`` when the cap alone turned a forward down (a larger cap could decide otherwise).
+
+    Candidates are the not-yet-run passes after the head, at most ``lookahead`` of them, each the
+    earliest of its (stage, kind) lane: a pass may overtake others, but never one of its own lane
+    (microbatch order)."""
+    blocked = {lane_list[head]}
+    num_lanes = lanes[0]
     seen = 0
-    for idx in range(first, len(queue)):
+    for idx in range(head + 1, len(kinds)):
         if done[idx]:
             continue
         seen += 1
         if seen > lookahead or len(blocked) >= num_lanes:
-            return
-        action = queue[idx]
-        lane = (action.stage_index, action.computation_type)
+            return None
+        lane = lane_list[idx]
         if lane in blocked:
             continue
         blocked.add(lane)
-        yield idx, action
-
-
-def _find_filler(
-    rank, head_start, queue, done, head, lookahead, ready_time, now, live, cap, cost_of, scale, lanes, bound
-):
-    """First pass after the head that is ready, fits before ``head_start`` and keeps memory <= cap.
-    Sets ``bound[0]`` when the cap alone turned a forward down (a larger cap could decide otherwise)."""
-    blocked = {(queue[head].stage_index, queue[head].computation_type)}
-    for idx, action in _window(queue, done, head + 1, lookahead, blocked, lanes[0]):
-        ready = ready_time(rank, action)
+        ready = ready_time(rank, idx)
         if ready is None:
             continue
-        start = max(now, ready)
-        if start + cost_of[action.computation_type] > head_start + _EPS:
+        start = now if now > ready else ready
+        if start + durations[idx] > head_start + _EPS:
             continue
-        if action.computation_type == F and not _fits_earlier(queue, done, head, idx, live, scale, cap):
+        if kinds[idx] == F and not _fits_earlier(kinds, done, head, idx, live, scale, cap):
             bound[0] = True
             continue
         return idx, start
     return None
 
 
-def _find_ready_input_grad(rank, queue, done, head, lookahead, ready_time, now, lanes):
+def _find_ready_input_grad(rank, kinds, lane_list, done, head, lookahead, ready_time, now, lanes):
     """First I/B after the head that can start right now, keeping per-lane microbatch order."""
     seen = 0
     met = set()
-    for idx in range(head, len(queue)):
+    for idx in range(head, len(kinds)):
         if done[idx]:
             continue
         seen += 1
         if seen > lookahead or len(met) >= lanes[1]:
             return None
-        action = queue[idx]
-        if action.computation_type not in (I, B):
+        if kinds[idx] not in (I, B):
             continue
-        lane = (action.stage_index, action.computation_type)
+        lane = lane_list[idx]
         if lane in met:
             continue
         met.add(lane)
-        ready = ready_time(rank, action)
+        ready = ready_time(rank, idx)
         if ready is not None and ready <= now + _EPS:
             return idx, now
     return None
 
 
-def _fits_earlier(queue, done, head, idx, live, scale, cap) -> bool:
+def _fits_earlier(kinds, done, head, idx, live, scale, cap) -> bool:
     """Would running the F at ``idx`` now keep every later point of the rank's sequence under ``cap``?
 
     Moving an F earlier adds one chunk to the rank's memory at every pass between its new and its old
@@ -279,7 +354,7 @@ def _fits_earlier(queue, done, head, idx, live, scale, cap) -> bool:
     for j in range(head, idx):
         if done[j]:
             continue
-        kind = queue[j].computation_type
+        kind = kinds[j]
         if kind == F:
             level += scale
             if level > cap + _EPS:

@@ -78,10 +78,13 @@ class _Greedy:
         waiting: set[int] = set()  # ranks with nothing to do until another rank places a pass
         clock = self.clock
         while remaining:
-            rank = None
+            rank, first = None, 0.0  # the earliest free rank, the lowest on ties
             for r in unfinished:
-                if r not in waiting and (rank is None or (clock[r], r) < (clock[rank], rank)):
-                    rank = r
+                if r in waiting:
+                    continue
+                t = clock[r]
+                if rank is None or t < first or (t == first and r < rank):
+                    rank, first = r, t
             if rank is None:
                 return None  # stalled: the memory cap is too tight for this policy
             choice, next_ready = self._decide(rank)

@@ -10,8 +10,12 @@ tests check it agrees with `simulate` exactly. Every order the search returns is
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from pp_offload.order.actions import Costs, F, I, Order, W
 from pp_offload.sim import OrderDeadlockError
+
+_MICROBATCH = itemgetter(2)
 
 
 def replay(order: Order, costs: Costs) -> tuple[float, int]:
@@ -43,13 +47,13 @@ def replay_ranks(
     pass's start time, keyed ``(stage, kind, microbatch)``."""
     d = len(order)
     last = 2 * d - 1
+    # durations per stage, one list per kind: looked up by the pass's stage in the hot loop
     if costs.stages is None:
-        cost = {F: costs.F, I: costs.I, W: costs.W}
-        durations = [[cost[a.computation_type] for a in order[r]] for r in range(d)]
+        cost_f, cost_i, cost_w = [costs.F] * (2 * d), [costs.I] * (2 * d), [costs.W] * (2 * d)
     else:
-        durations = [[costs.of_stage(a.stage_index, a.computation_type) for a in order[r]] for r in range(d)]
+        cost_f, cost_i, cost_w = ([costs.of_stage(s, kind) for s in range(2 * d)] for kind in (F, I, W))
     comm = costs.comm
-    num_mb = 1 + max((a.microbatch_index for r in range(d) for a in order[r]), default=0)
+    num_mb = 1 + max((max(order[r], key=_MICROBATCH)[2] for r in range(d) if order[r]), default=0)
     # end times per stage and microbatch (None: not run yet); lists, not a dict of tuples: hot loop
     end_f = [[None] * num_mb for _ in range(2 * d)]
     end_i = [[None] * num_mb for _ in range(2 * d)]
@@ -62,7 +66,7 @@ def replay_ranks(
     while remaining:
         progressed = False
         for r in range(d):
-            seq, dur = seqs[r], durations[r]
+            seq = seqs[r]
             p, t = pos[r], clock[r]
             while p < len(seq):
                 stage, kind, mb = seq[p]
@@ -78,7 +82,7 @@ def replay_ranks(
                         t = ready
                     if starts is not None:
                         starts[(stage, kind, mb)] = t
-                    t += dur[p]
+                    t += cost_f[stage]
                     end_f[stage][mb] = t
                     level[r] += 1
                     if level[r] > peaks[r]:
@@ -98,7 +102,7 @@ def replay_ranks(
                         t = ready
                     if starts is not None:
                         starts[(stage, kind, mb)] = t
-                    t += dur[p]
+                    t += cost_i[stage]
                     end_i[stage][mb] = t
                 else:
                     done = end_i[stage][mb]
@@ -108,7 +112,7 @@ def replay_ranks(
                         t = done
                     if starts is not None:
                         starts[(stage, kind, mb)] = t
-                    t += dur[p]
+                    t += cost_w[stage]
                     level[r] -= 1
                 p += 1
             if p != pos[r]:

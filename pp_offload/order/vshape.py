@@ -19,6 +19,11 @@ above the cap it is compacted under). The search is grown cap by cap (`_Curve`) 
 depends on the requested limit, so a larger limit never gives a slower order. Every order respects its
 cap (its replayed peak is checked). Results can be cached on disk (`pp_offload.order.cache`).
 
+Ranks that all need the same order can search together (``gather=``, `pp_offload.order.spread`): each
+batch of independent tasks (scoring the candidates that join at a cap, compacting a cap's shortlist,
+finishing its finalists) is split between them and exchanged, so every rank holds every result and
+takes every decision exactly as a single process would.
+
 Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 - V-Min:  ``2 * floor((d + 4) / 3)``, about 1/3 of 1F1B;
 - V-Half: ``2 * floor((d + 2) / 2)``, about 1/2;
@@ -29,19 +34,21 @@ Caps, in chunk units per rank (1F1B holds ``2 * min(d, m)``):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections import ChainMap
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
 from pp_offload.order import cache as order_cache
 from pp_offload.order.actions import Costs, Order
 from pp_offload.order.blocks import PERIOD, VBlock, v_block
-from pp_offload.order.compact import compact_bound
+from pp_offload.order.compact import compact_measured
 from pp_offload.order.cooldown import diagonal_cooldown
 from pp_offload.order.extend import extend_order
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
 from pp_offload.order.replay import replay
 from pp_offload.order.rhythm import rhythm_v_order
+from pp_offload.order.spread import Gather, PackedOrder, spread_map
 from pp_offload.order.warmup import warmup_rewrite
 from pp_offload.sim import OrderDeadlockError
 
@@ -55,6 +62,7 @@ _ROUNDS = 3  # compaction rounds of a cap's fastest candidates (the others get o
 _LEADS = 3  # how many of a cap's candidates are the fastest
 _DEEP_LEADS = 2  # beyond d=8
 _WARM_QUOTA = 2  # warm-up rewritten candidates shortlisted per cap, besides the others
+_ADMIT_WEIGHT = 5.0  # a greedy candidate costs about this many cap-free ones to build (d=16 profile)
 
 
 def one_f_one_b_peak(num_ranks: int, num_microbatches: int) -> int:
@@ -76,19 +84,41 @@ class _Candidate:
     block: VBlock
 
 
-def v_min_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
-    """V-Min: about 1/3 of 1F1B's activation memory (the paper's 1/1 offsets), lowest bubble at that cap."""
-    return _best_order(num_ranks, num_microbatches, costs, v_min_cap(num_ranks), "V-Min")
+def v_min_order(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs | Mapping | None = None,
+    *,
+    gather: Gather | None = None,
+) -> Order:
+    """V-Min: about 1/3 of 1F1B's activation memory (the paper's 1/1 offsets), lowest bubble at that cap.
+
+    ``gather`` (all ranks of a group calling together) spreads the search over the group's ranks: the
+    same order, for a share of the work (`pp_offload.order.spread`); the same holds for the other three.
+    """
+    return _best_order(num_ranks, num_microbatches, costs, v_min_cap(num_ranks), "V-Min", gather)
 
 
-def v_half_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
+def v_half_order(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs | Mapping | None = None,
+    *,
+    gather: Gather | None = None,
+) -> Order:
     """V-Half: about 1/2 of 1F1B's activation memory (the paper's 2/1 offsets), lowest bubble at that cap."""
-    return _best_order(num_ranks, num_microbatches, costs, v_half_cap(num_ranks), "V-Half")
+    return _best_order(num_ranks, num_microbatches, costs, v_half_cap(num_ranks), "V-Half", gather)
 
 
-def v_zb_order(num_ranks: int, num_microbatches: int, costs: Costs | Mapping | None = None) -> Order:
+def v_zb_order(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs | Mapping | None = None,
+    *,
+    gather: Gather | None = None,
+) -> Order:
     """V-ZB: 1F1B's activation memory, spent on a near-zero bubble."""
-    return _best_order(num_ranks, num_microbatches, costs, 2 * num_ranks, "V-ZB")
+    return _best_order(num_ranks, num_microbatches, costs, 2 * num_ranks, "V-ZB", gather)
 
 
 def adaptive_v_order(
@@ -96,6 +126,8 @@ def adaptive_v_order(
     num_microbatches: int,
     memory_limit: float,
     costs: Costs | Mapping | None = None,
+    *,
+    gather: Gather | None = None,
 ) -> Order:
     """Lowest-makespan V order whose every rank stays within ``memory_limit`` x 1F1B's peak.
 
@@ -109,7 +141,8 @@ def adaptive_v_order(
         )
     reference = one_f_one_b_peak(num_ranks, num_microbatches)
     cap = memory_limit * reference
-    return _best_order(num_ranks, num_microbatches, costs, cap, f"adaptive(memory_limit={memory_limit})")
+    label = f"adaptive(memory_limit={memory_limit})"
+    return _best_order(num_ranks, num_microbatches, costs, cap, label, gather)
 
 
 def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
@@ -121,18 +154,22 @@ def _check_sizes(num_ranks: int, num_microbatches: int) -> None:
         raise ValueError(f"num_microbatches must be an integer >= 1, got {num_microbatches!r}")
 
 
-def _best_order(num_ranks: int, num_microbatches: int, costs, cap: float, label: str) -> Order:
+def _best_order(
+    num_ranks: int, num_microbatches: int, costs, cap: float, label: str, gather: Gather | None = None
+) -> Order:
     _check_sizes(num_ranks, num_microbatches)
     costs = Costs.coerce(costs)
     smallest = smallest_feasible_peak(num_ranks, num_microbatches)
     order = None
     if cap >= smallest - 1e-9:
         whole = int(math.floor(cap + 1e-9))  # peaks are whole chunk units
-        order = order_cache.load(num_ranks, num_microbatches, costs, whole)
-        if order is None:
-            order = _search(num_ranks, num_microbatches, costs, whole)
-            if order is not None:
-                order_cache.store(num_ranks, num_microbatches, costs, whole, order)
+        cached = order_cache.load(num_ranks, num_microbatches, costs, whole)
+        if gather is not None and gather.size > 1:
+            order = _search_together(num_ranks, num_microbatches, costs, whole, gather, cached)
+        else:
+            order = cached if cached is not None else _search(num_ranks, num_microbatches, costs, whole)
+        if order is not None and cached is None:
+            order_cache.store(num_ranks, num_microbatches, costs, whole, order)
     if order is None:
         reference = one_f_one_b_peak(num_ranks, num_microbatches)
         limit = math.ceil(smallest / reference * 1e4) / 1e4  # rounded up: the printed limit must work
@@ -260,40 +297,87 @@ def _with_cooldown(build: Callable[[int], Order | None], num_microbatches: int) 
     return None if order is None else diagonal_cooldown(order)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the search never holds two items of one name
 class _Scored:
     makespan: float
     peak: int
     name: str
     gen: _Generator
-    order: Order
+    stored: Order | PackedOrder | None  # None: not kept (rebuilt from ``gen`` when needed)
     cap: int = 0  # the cap it was compacted under (0: not compacted)
 
+    @property
+    def order(self) -> Order | None:
+        if isinstance(self.stored, PackedOrder):  # received from another rank: unpacked when used
+            self.stored = self.stored.unpack()
+        return self.stored
 
-def _score_with_cooldown(gen: _Generator, num_microbatches: int, costs: Costs) -> list[_Scored]:
-    """The candidate, with its drain rewritten, with its warm-up rewritten, and with both: the real costs
-    decide which is better."""
+
+# A candidate's variants: (warm-up rewritten, drain rewritten), in the order they are scored.
+_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
+
+
+def _variant_records(gen: _Generator, num_microbatches: int, costs: Costs) -> list[tuple]:
+    """``(variant, makespan, peak, order)`` of each variant of ``gen`` that exists and runs: the
+    candidate, with its warm-up rewritten, with its drain rewritten, and with both (the real costs decide
+    which is better). Plain data, so that ranks searching together can send it."""
     order = gen.build(num_microbatches)
     if order is None:
         return []
-    found = [_measure(gen, order, costs)]
-    variants = [(gen, order)]
+    bases = [(0, order)]
     warmed = warmup_rewrite(order)
     if warmed is not None and warmed != order:
-        warm_gen = _Generator(
-            f"warmup({gen.name})", gen.canonical, partial(_with_warmup, gen.build), gen.extra, gen.cap, True
-        )
-        found.append(_measure(warm_gen, warmed, costs))
-        variants.append((warm_gen, warmed))
-    for base, base_order in variants:
+        bases.append((1, warmed))
+    found = list(bases)
+    for variant, base_order in bases:
         cooled = diagonal_cooldown(base_order)
         if cooled is not None:
-            build = partial(_with_cooldown, base.build)
-            cooled_gen = _Generator(
-                f"cooldown({base.name})", base.canonical, build, base.extra, base.cap, base.warm
-            )
-            found.append(_measure(cooled_gen, cooled, costs))
-    return [s for s in found if s is not None]
+            found.append((variant + 2, cooled))
+    records = []
+    for variant, variant_order in found:
+        try:
+            makespan, peak = replay(variant_order, costs)
+        except OrderDeadlockError:
+            continue  # a family member that cannot run at this size
+        records.append((variant, makespan, peak, variant_order))
+    return records
+
+
+def _pack(order: Order | None) -> PackedOrder | None:
+    return None if order is None else PackedOrder(order)
+
+
+def _same(order: Order | None) -> Order | None:
+    return order
+
+
+def _without_orders(task: Callable[[_Generator], list[tuple]], gen: _Generator) -> list[tuple]:
+    return [(variant, makespan, peak, None) for variant, makespan, peak, _ in task(gen)]
+
+
+def _variants_scored(gen: _Generator, records: list[tuple]) -> list[_Scored]:
+    out = []
+    for variant, makespan, peak, order in records:
+        variant_gen = _variant_gen(gen, *_VARIANTS[variant])
+        out.append(_Scored(makespan, peak, variant_gen.name, variant_gen, order))
+    return out
+
+
+def _variant_gen(gen: _Generator, warm: bool, cool: bool) -> _Generator:
+    if warm:
+        gen = _Generator(
+            f"warmup({gen.name})", gen.canonical, partial(_with_warmup, gen.build), gen.extra, gen.cap, True
+        )
+    if cool:
+        gen = _Generator(
+            f"cooldown({gen.name})",
+            gen.canonical,
+            partial(_with_cooldown, gen.build),
+            gen.extra,
+            gen.cap,
+            gen.warm,
+        )
+    return gen
 
 
 def _with_warmup(build: Callable[[int], Order | None], num_microbatches: int) -> Order | None:
@@ -315,7 +399,7 @@ def _measure(gen: _Generator, order: Order, costs: Costs) -> _Scored | None:
 
 
 def _compacted(
-    item: _Scored, costs: Costs, cap: int, rounds: int = 3, memo: dict | None = None, tag: str = ""
+    item: _Scored, costs: Costs, cap: int, rounds: int = 3, memo: MutableMapping | None = None, tag: str = ""
 ) -> _Scored:
     """``item`` with its gaps filled, its peak kept within ``cap``.
 
@@ -327,14 +411,21 @@ def _compacted(
     key = (tag, item.name, len(item.order[0]), rounds)
     if memo is not None and key in memo:
         source, under, bound, order, makespan, peak = memo[key]
+        if isinstance(source, PackedOrder):
+            source = source.unpack()
         if not bound and under <= cap and source == item.order:
             return _Scored(makespan, peak, item.name, item.gen, order, cap)
-    order, bound = compact_bound(
-        item.order, costs, memory_cap=dict.fromkeys(item.order, float(cap)), rounds=rounds
+    order, bound, makespan, peak = compact_measured(
+        item.order, costs, makespan=item.makespan, peak=item.peak, memory_cap=cap, rounds=rounds
     )
-    makespan, peak = replay(order, costs)
     if memo is not None:
-        memo[key] = (item.order, cap, bound, order, makespan, peak)
+        # A bound compaction is never reused (see above): its orders are left out, which keeps what the
+        # spread search sends between ranks small.
+        memo[key] = (
+            (None, cap, True, None, makespan, peak)
+            if bound
+            else (item.order, cap, False, order, makespan, peak)
+        )
     return _Scored(makespan, peak, item.name, item.gen, order, cap)
 
 
@@ -365,27 +456,109 @@ class _Curve:
         for g in gens:
             self.pending.setdefault(g.cap, []).append(g)
         self.ranked: list[_Scored] = []
-        self._admit(0)
+        self.admitted = False  # the cap-free candidates (cap 0) join on the first growth
         self.done_cap = 1
         self.final: list[_Scored] = []  # for all m microbatches
         self.seen: set[tuple[str, int]] = set()
         self.memo: dict = {}  # compactions, for reuse at larger caps (see `_compacted`)
+        self.batches = 0  # batches of tasks so far: spreads each batch from a different rank on
 
-    def best(self, cap: int) -> _Scored | None:
+    def _next_batch(self) -> int:
+        self.batches += 1
+        return self.batches
+
+    def best(self, cap: int, gather: Gather | None = None) -> _Scored | None:
+        """Fastest finalist within ``cap``; grows the curve up to ``cap`` first, its independent tasks
+        spread over ``gather``'s ranks when given (every rank of the group must call this together)."""
+        if gather is not None and gather.size > 1 and self.done_cap < cap:
+            self._grow_together(list(range(self.done_cap + 1, cap + 1)), gather)
+            self.done_cap = cap
+        if not self.admitted and self.done_cap < cap:
+            self._admit(0, None)
+            self.admitted = True
         while self.done_cap < cap:
             self.done_cap += 1
             self._grow(self.done_cap)
         fitting = [i for i in self.final if i.peak <= cap]
         return min(fitting, key=lambda i: (i.makespan, i.peak, i.name), default=None)
 
-    def _admit(self, cap: int) -> None:
-        fresh = [
-            s for g in self.pending.pop(cap, []) for s in _score_with_cooldown(g, self.horizon, self.costs)
-        ]
+    def _admit(self, cap: int, gather: Gather | None) -> None:
+        gens = self.pending.pop(cap, [])
+        task = partial(_variant_records, num_microbatches=self.horizon, costs=self.costs)
+        if gather is not None and gather.size > 1:
+            # Only the scores travel: the few candidates shortlisted later are rebuilt where needed
+            # (the same order: builds are deterministic), most are never looked at again.
+            task = partial(_without_orders, task)
+        found = spread_map(gather, task, gens, first=self._next_batch())
+        fresh = [s for g, records in zip(gens, found, strict=True) for s in _variants_scored(g, records)]
         self.ranked = sorted(self.ranked + fresh, key=lambda i: (i.makespan, i.name))
 
     def _grow(self, cap: int) -> None:
-        self._admit(cap)
+        """One cap, in this process: its candidates join, its shortlist is compacted, its finalists made."""
+        self._admit(cap, None)
+        shortlist = self._shortlist(cap)
+        shorts = self._spread(None, partial(self._short, cap=cap), shortlist, shortlist, None)
+        fresh = [short for short in shorts if short is not None]
+        if not fresh:
+            return
+        is_lead = self._leads(fresh)
+        entries = list(zip(fresh, is_lead, strict=True))
+        self.final += [
+            f for f in self._spread(None, partial(self._finished, cap=cap), entries, fresh, None) if f
+        ]
+
+    def _grow_together(self, caps: list[int], gather: Gather) -> None:
+        """``caps`` at once, spread over ``gather``'s ranks, in three exchanges instead of three per cap.
+
+        Each cap's tasks need only earlier stages of the same cap (its shortlist needs the candidates
+        joined up to it, its finalists its shortlist), so every cap's candidates are scored in one batch,
+        every cap's shortlist compacted in the next and every cap's finalists made in the last: many
+        tasks per exchange, so the ranks stay busy. The one thing `_grow` has that this has not is the
+        reuse, within the caps of one call, of a compaction an earlier cap left unconstrained
+        (`compact_bound`): each is compacted afresh instead, which gives the same order (that is the
+        condition of the reuse), so every decision and every result are the serial search's."""
+        joining = [(c, g) for c in ([] if self.admitted else [0]) + caps for g in self.pending.pop(c, [])]
+        self.admitted = True
+        task = partial(
+            _without_orders, partial(_variant_records, num_microbatches=self.horizon, costs=self.costs)
+        )
+        gens = [g for _, g in joining]
+        found = spread_map(
+            gather, task, gens, [_ADMIT_WEIGHT if g.cap else 1.0 for g in gens], self._next_batch()
+        )
+        by_cap: dict[int, list[_Scored]] = {}
+        for (c, g), records in zip(joining, found, strict=True):
+            by_cap.setdefault(c, []).extend(_variants_scored(g, records))
+        self.ranked = sorted(self.ranked + by_cap.pop(0, []), key=lambda i: (i.makespan, i.name))
+        jobs: list[tuple[int, _Scored]] = []
+        for c in caps:
+            self.ranked = sorted(self.ranked + by_cap.get(c, []), key=lambda i: (i.makespan, i.name))
+            jobs += [(c, item) for item in self._shortlist(c)]
+        shorts = self._spread(
+            gather,
+            lambda job, memo: self._short(job[1], memo, job[0]),
+            jobs,
+            [item for _, item in jobs],
+            [float(self.compaction_horizon(c)) for c, _ in jobs],
+        )
+        entries: list[tuple[int, _Scored, bool]] = []
+        for c in caps:
+            fresh = [
+                short for (jc, _), short in zip(jobs, shorts, strict=True) if jc == c and short is not None
+            ]
+            if fresh:
+                entries += [(c, short, lead) for short, lead in zip(fresh, self._leads(fresh), strict=True)]
+        finals = self._spread(
+            gather,
+            lambda entry, memo: self._finished(entry[1:], memo, entry[0]),
+            entries,
+            [short for _, short, _ in entries],
+            [3.0 * self.m if lead else 1.0 * self.m for _, _, lead in entries],
+        )
+        self.final += [final for final in finals if final is not None]
+
+    def _shortlist(self, cap: int) -> list[_Scored]:
+        """The candidates compacted under ``cap`` (see the class doc), each once per cap."""
         # Below V-Min's memory only the greedy family fits and the bubble is large whatever is done:
         # two candidates per cap keep every limit >= 2 feasible at a fraction of the cost.
         low = cap < v_min_cap(self.d)
@@ -394,39 +567,71 @@ class _Curve:
         at = _quota([i for i in self.ranked if i.peak == cap], 2 if low else keep_at)
         below = [] if low else _quota([i for i in self.ranked if i.peak < cap], keep_below)
         canonical = [i for i in self.ranked if i.gen.canonical and i.peak == cap]
-        fresh = []
+        shortlist = []
         for item in at + below + canonical:
             if (item.name, cap) not in self.seen:
                 self.seen.add((item.name, cap))
-                short = self._short(item, cap)
-                if short is not None:
-                    fresh.append(short)
-        if not fresh:
-            return
-        # One round of compaction ranks this cap's shortlist; only its fastest few get the full three (the
-        # rounds continue where the first stopped, so that is exactly a three-round compaction).
-        # Warm-up rewrites lead on a quota of their own, so that the other candidates are treated exactly
-        # as without them (every order found without the rewrite is still found).
+                shortlist.append(item)
+        return shortlist
+
+    def _leads(self, fresh: list[_Scored]) -> list[bool]:
+        """Which of a cap's compacted shortlist get all three compaction rounds.
+
+        One round of compaction ranks this cap's shortlist; only its fastest few get the full three (the
+        rounds continue where the first stopped, so that is exactly a three-round compaction). Warm-up
+        rewrites lead on a quota of their own, so that the other candidates are treated exactly as
+        without them (every order found without the rewrite is still found)."""
         keep = _LEADS if self.d <= _DEEP else _DEEP_LEADS
         ranked = sorted(fresh, key=lambda i: (i.makespan, i.name))
         leads = [i for i in ranked if not i.gen.warm][:keep] + [i for i in ranked if i.gen.warm][:1]
-        for short in fresh:
-            lead = short in leads
-            if lead:
-                short = _compacted(short, self.costs, cap, _ROUNDS - 1, self.memo, tag="more")
-            final = self._lengthened(short, cap, fallback=lead)
-            if final is not None:
-                self.final.append(final)
+        return [short in leads for short in fresh]
 
-    def _short(self, item: _Scored, cap: int) -> _Scored | None:
+    def _spread(
+        self, gather, task, items: list, sources: list[_Scored], weights: list[float] | None
+    ) -> list[_Scored | None]:
+        """``task(item, memo)`` for every item, spread over ``gather``'s ranks: results come back as plain
+        data (the generator of the item's ``source`` candidate is attached here), and each task's new
+        compactions are added to this rank's memo in the items' order, so every rank's memo stays the
+        same."""
+
+        pack = _pack if gather is not None and gather.size > 1 else _same
+
+        def run(index: int) -> tuple:
+            writes: dict = {}
+            item = items[index]
+            found = task(item, ChainMap(writes, self.memo))
+            plain = None if found is None else (found.makespan, found.peak, pack(found.order), found.cap)
+            for key, (source, under, bound, order, makespan, peak) in writes.items():
+                writes[key] = (pack(source), under, bound, pack(order), makespan, peak)
+            return plain, writes
+
+        out = []
+        found = spread_map(gather, run, range(len(items)), weights, first=self._next_batch())
+        for source, (plain, writes) in zip(sources, found, strict=True):
+            self.memo.update(writes)
+            out.append(
+                None if plain is None else _Scored(plain[0], plain[1], source.name, source.gen, *plain[2:])
+            )
+        return out
+
+    def _finished(self, entry: tuple[_Scored, bool], memo: MutableMapping, cap: int) -> _Scored | None:
+        """A shortlisted candidate's finalist for ``cap``: two more compaction rounds for a lead, then
+        lengthened to all ``m``."""
+        short, lead = entry
+        if lead:
+            short = _compacted(short, self.costs, cap, _ROUNDS - 1, memo, tag="more")
+        return self._lengthened(short, cap, fallback=lead, memo=memo)
+
+    def _short(self, item: _Scored, memo: MutableMapping, cap: int) -> _Scored | None:
         """``item`` on the compaction horizon of ``cap``, compacted under ``cap`` (one round)."""
         horizon = self.compaction_horizon(cap)
-        built = item if len(item.order[0]) == 6 * horizon else _score(item.gen, horizon, self.costs)
+        ready = item.order is not None and len(item.order[0]) == 6 * horizon
+        built = item if ready else _score(item.gen, horizon, self.costs)
         if built is None:
             return None
-        return _compacted(built, self.costs, cap, 1, self.memo)
+        return _compacted(built, self.costs, cap, 1, memo)
 
-    def _lengthened(self, short: _Scored, cap: int, fallback: bool) -> _Scored | None:
+    def _lengthened(self, short: _Scored, cap: int, fallback: bool, memo: MutableMapping) -> _Scored | None:
         """``short`` lengthened to all ``m`` microbatches by repeating its steady phase (`extend_order`);
         with ``fallback``, rebuilt and compacted for all ``m`` when it shows no steady phase."""
         horizon = len(short.order[0]) // 6
@@ -445,7 +650,7 @@ class _Curve:
         full = _score(short.gen, self.m, self.costs)
         if full is None or full.peak > cap:
             return None
-        return _compacted(full, self.costs, cap, _ROUNDS, self.memo)
+        return _compacted(full, self.costs, cap, _ROUNDS, memo)
 
     def compaction_horizon(self, cap: int) -> int:
         """Microbatches an order is compacted on under ``cap``: enough for its warm-up, a steady phase of
@@ -469,10 +674,34 @@ def _curve(num_ranks: int, num_microbatches: int, costs: Costs) -> _Curve:
     return _Curve(num_ranks, num_microbatches, costs)
 
 
-def _search(num_ranks: int, num_microbatches: int, costs: Costs, cap: float) -> Order | None:
+def _search(
+    num_ranks: int, num_microbatches: int, costs: Costs, cap: int, gather: Gather | None = None
+) -> Order | None:
     """Fastest order found within ``cap`` chunk units per rank, or None."""
-    best = _curve(num_ranks, num_microbatches, costs).best(int(math.floor(cap + 1e-9)))
+    best = _curve(num_ranks, num_microbatches, costs).best(cap, gather)
     return None if best is None else best.order
+
+
+def _search_together(
+    num_ranks: int, num_microbatches: int, costs: Costs, cap: int, gather: Gather, cached: Order | None
+) -> Order | None:
+    """`_search` spread over ``gather``'s ranks, which must all call this together.
+
+    The ranks search together only from the same state: every one missing the disk cache (a rank that
+    has the entry still searches, to take its share) and its in-process curve grown equally far.
+    Otherwise each finishes alone (the same order, with no exchange to wait on).
+    """
+    curve = _curve(num_ranks, num_microbatches, costs)
+    states = gather.all_gather((cached is not None, curve.done_cap))
+    if all(hit for hit, _ in states):
+        return cached
+    if len({done for _, done in states}) > 1:
+        return cached if cached is not None else _search(num_ranks, num_microbatches, costs, cap)
+    try:
+        return _search(num_ranks, num_microbatches, costs, cap, gather)
+    except BaseException:
+        _curve.cache_clear()  # a search cut short leaves its curve half grown: never serve from it
+        raise
 
 
 def smallest_feasible_peak(num_ranks: int, num_microbatches: int) -> float:

@@ -58,8 +58,10 @@ def _rewrite_rank(rank: int, d: int, num_mb: int, peak: int, actions: list[Actio
         (i for i, a in enumerate(actions) if a.computation_type == I and a.stage_index == down), len(actions)
     )
     lanes = {"f0": (down, F), "f1": (up, F), "i1": (up, I), "w1": (up, W)}
-    have = {name: sum(1 for a in actions[:cut] if (a.stage_index, a.computation_type) == lane)
-            for name, lane in lanes.items()}
+    have = {
+        name: sum(1 for a in actions[:cut] if (a.stage_index, a.computation_type) == lane)
+        for name, lane in lanes.items()
+    }
     if sum(have.values()) != cut:
         return None
     f1_cap = min(rank + 1, peak // 2, num_mb)

@@ -34,6 +34,7 @@ from pp_offload.order.actions import Order, v_stages
 from pp_offload.order.offload_inputs import OffloadInputs
 from pp_offload.runtime import compat
 from pp_offload.runtime.offload import enable_offload
+from pp_offload.runtime.search_group import stage_gather
 
 __all__ = ["ScheduleVAdaptive", "ScheduleVHalf", "ScheduleVMin", "ScheduleVZB"]
 
@@ -61,6 +62,7 @@ class _VSchedule(compat.RuntimeBase):
         defer_pp_recv: bool = False,
         offload: Any = None,
         offload_inputs: OffloadInputs | Mapping[str, Any] | None = None,
+        spread_search: bool = True,
     ):
         """Arguments as for torch's multi-stage schedules (e.g. ``ScheduleZBVZeroBubble``), plus:
 
@@ -75,6 +77,9 @@ class _VSchedule(compat.RuntimeBase):
         offload_inputs: the planner's figures (`pp_offload.order.offload_inputs.OffloadInputs`), so the
             offload plan is the one the planner predicted; without ``costs`` the order is then built from
             their scalar F/I/W/comm, as the planner builds it.
+        spread_search: build the order together with the other ranks of the stages' process group (each
+            searches a share, all get the same order; every rank must construct its schedule at the same
+            time, as pipeline ranks do). ``False``: this rank searches alone.
         """
         name = type(self).__name__
         stages = list(stages)
@@ -110,6 +115,8 @@ class _VSchedule(compat.RuntimeBase):
             backward_requires_autograd=backward_requires_autograd,
             **compat.runtime_init_kwargs(defer_pp_recv=defer_pp_recv),
         )
+        # Who the order search is spread over (None: this process alone); see `search_group`.
+        self._search_gather = stage_gather(stages) if spread_search else None
         order = self._generate(self.pp_group_size, self._n_microbatches, self.costs)
         self.pipeline_order = compat.to_torch_order(order)
         self._prepare_schedule_with_comms(self.pipeline_order)
@@ -121,7 +128,7 @@ class _VSchedule(compat.RuntimeBase):
                 enable_offload(self, offload, costs=self.costs)
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:
-        return type(self)._generator(num_ranks, num_microbatches, costs)
+        return type(self)._generator(num_ranks, num_microbatches, costs, gather=self._search_gather)
 
 
 def _check_v_stages(name: str, stages: list[Any]) -> None:
@@ -206,6 +213,7 @@ class ScheduleVAdaptive(_VSchedule):
         defer_pp_recv: bool = False,
         offload: Any = None,
         offload_inputs: OffloadInputs | Mapping[str, Any] | None = None,
+        spread_search: bool = True,
     ):
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real):
             raise ValueError(
@@ -231,7 +239,10 @@ class ScheduleVAdaptive(_VSchedule):
             defer_pp_recv=defer_pp_recv,
             offload=offload,
             offload_inputs=offload_inputs,
+            spread_search=spread_search,
         )
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:
-        return adaptive_v_order(num_ranks, num_microbatches, self.memory_limit, costs)
+        return adaptive_v_order(
+            num_ranks, num_microbatches, self.memory_limit, costs, gather=self._search_gather
+        )
