@@ -55,14 +55,46 @@ def test_falcon_with_alibi_is_refused_with_the_reason() -> None:
         split_model(model, num_stages=2, stage_indices=[0])
 
 
-def test_families_that_do_not_separate_packed_documents_get_a_note() -> None:
-    """The recipe packs documents and separates them by position ids; Falcon's masks ignore them."""
+def test_families_that_do_not_separate_packed_documents_get_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe packs documents and separates them by position ids; a family whose installed forward builds
+    its masks without them (Falcon before transformers 5.24) gets a note, and its split does the same."""
     from pp_offload.recipe.parts import packing_note
 
-    assert "FalconForCausalLM builds its attention masks without position ids" in packing_note(
-        tiny_model("falcon", new_decoder_architecture=True, num_kv_heads=2)
-    )
+    falcon = tiny_model("falcon", new_decoder_architecture=True, num_kv_heads=2)
+    reads = families._mask_reads_positions(falcon.transformer)
+    assert reads is not None  # the installed FalconModel.forward was read
+    assert families.family_of(falcon).mask_positions is reads
+    assert (packing_note(falcon) is None) is reads
+    monkeypatch.setattr(families, "_mask_reads_positions", lambda base: False)
+    assert "FalconForCausalLM builds its attention masks without position ids" in packing_note(falcon)
     assert packing_note(tiny_model("llama")) is None
+
+
+def create_causal_mask(**kwargs: object) -> None:  # what the parsed forwards below call
+    return None
+
+
+class _MaskWithPositions:
+    def forward(self, x: object, position_ids: object) -> None:
+        create_causal_mask(config=None, inputs_embeds=x, position_ids=position_ids)
+
+
+class _MaskWithoutPositions:
+    def forward(self, x: object, position_ids: object) -> None:
+        create_causal_mask(config=None, inputs_embeds=x)  # position_ids not passed on
+        return position_ids
+
+
+class _NoMask:
+    def forward(self, x: object) -> object:
+        return x
+
+
+def test_the_mask_call_of_a_forward_is_read_for_position_ids() -> None:
+    assert families._mask_reads_positions(_MaskWithPositions()) is True
+    assert families._mask_reads_positions(_MaskWithoutPositions()) is False
+    assert families._mask_reads_positions(_NoMask()) is None
+    assert families._mask_reads_positions(None) is None
 
 
 def test_the_proof_refuses_a_split_that_misses_an_operation(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,9 @@ split that silently computes something else.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +133,8 @@ def family_of(model: Any) -> Family:
                 "attention mask inside the base model (rotary Falcon configs split)"
             )
         family = _FALCON
+        if _mask_reads_positions(getattr(model, _FALCON.base, None)):
+            family = dataclasses.replace(family, mask_positions=True)
     else:
         family = _decoder_family(model, config, name)
     _check_present(model, family, name)
@@ -172,6 +177,34 @@ _MASKS_WITHOUT_POSITIONS = frozenset({"afmoe", "gpt_oss"})
 _NOPE_SCALING = frozenset({"beam"})
 
 
+_MASK_CALL = re.compile(r"create_(?:sliding_window_)?(?:causal|bidirectional)_mask\(")
+
+
+def _mask_reads_positions(base: Any) -> bool | None:
+    """Whether the installed transformers' forward of ``base`` hands ``position_ids`` to its mask builder.
+
+    Why: the families that built their masks without position ids (so packed documents attend across
+    their boundaries) change with transformers releases: Falcon's forward passes them since 5.24. The split
+    must build the mask exactly as the unsplit model does, so for those families the installed forward is
+    read. None when its source cannot be read (the table's value stands)."""
+    if base is None:
+        return None
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return None
+    found = False
+    for match in _MASK_CALL.finditer(source):
+        depth, end = 1, match.end()
+        while end < len(source) and depth:
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        found = True
+        if re.search(r"\bposition_ids\s*=", source[match.end() : end]):
+            return True
+    return False if found else None
+
+
 def _decoder_family(model: Any, config: Any, name: str) -> Family:
     plan = getattr(config, "base_model_pp_plan", None) or _PLANS.get(getattr(config, "model_type", ""))
     if not plan:
@@ -210,7 +243,8 @@ def _decoder_family(model: Any, config: Any, name: str) -> Family:
         input_ops=input_ops,
         head_ops=head_ops,
         logit_ops=logit_ops,
-        mask_positions=getattr(config, "model_type", "") not in _MASKS_WITHOUT_POSITIONS,
+        mask_positions=getattr(config, "model_type", "") not in _MASKS_WITHOUT_POSITIONS
+        or bool(_mask_reads_positions(getattr(model, base, None))),
         nope_scaling=getattr(config, "model_type", "") in _NOPE_SCALING,
     )
 
