@@ -7,26 +7,32 @@ one rank: the rank's stages of a Llama-3-8B-shaped model (bf16, the planner's la
 torch's pipelining runtime through the rank's lowered order, OFFLOAD/RELOAD actions included. The other
 ranks are absent: a fake process group (`pp_offload.runtime.compat.init_fake_process_group`) completes
 every send and receive at once, so receives keep the values the bench puts in their buffers and sends
-are dropped. Compute, device memory and host copies are the real ones; the rank never waits for a peer,
-so the step time measured is this rank's own work plus what offload adds to it.
+are dropped. Compute, device memory and host copies are the real ones. Alone, the rank never waits for
+a peer, so its bubbles vanish and a copy has less time to hide than in the pipeline: "paced" steps
+(`Pacer`) hold each pass whose input comes from another rank until the simulated time it would arrive.
+Steps pass ``return_outputs=False`` as the recipe does (the last stage keeps no logits for the step's
+return value).
 
 For each (schedule, offload, recompute) configuration it measures:
 
-- device memory: ``torch.cuda.max_memory_allocated`` during a step, whole and above the state held
-  between steps (weights, gradients, receive buffers), next to the planner's prediction for that rank
-  (`pp_offload.plan`, same model, machine preset, split and host bandwidth);
-- step time (median of ``--steps``), and the offload overhead against the same schedule without offload,
-  next to the simulator's prediction: the time this rank's compute waited for reloads when the runtime's
-  own offload plan is replayed with the pass times and the host bandwidth measured here;
-- the copy/compute overlap of one step from a torch profiler trace: the share of device<->host copy time
-  during which a compute kernel ran, with a timeline plot (compute, D2H and H2D lanes);
+- device memory: ``torch.cuda.max_memory_allocated`` during a step, above the state held between steps
+  (weights, gradients, receive buffers), and whole, next to the planner's prediction for that rank
+  (`pp_offload.plan`, same model, machine preset, split, calibrated mfu and measured host bandwidth);
+- step time alone and paced (medians of ``--steps``), and the paced offload overhead against the same
+  schedule without offload, next to the simulator's: the runtime's own offload plan (placed with the
+  planner's figures, `pp_offload.plan.offload_inputs`) replayed with those costs;
+- from a torch profiler trace of one step: the share of device<->host copy time during which a compute
+  kernel ran, kernel time per class (matmul, attention, other), and a timeline plot;
+- the synchronizing CUDA calls of one step with their call sites (torch's sync debug mode);
 - a memory timeline (allocated bytes after every action of one synchronized step).
 
-Pass times for the simulator come from a calibration step (each action timed with the device synchronized,
-`pp_offload.runtime.timing.record_actions`); the host bandwidth from pinned copies of 1 GiB each way.
+The planner's ``mfu`` is calibrated so that its forward time equals the median forward measured in a
+first V-Half step (each action timed with the device synchronized,
+`pp_offload.runtime.timing.record_actions`); the host bandwidth comes from pinned copies of 1 GiB each way.
 
     python bench/bench_gpu_replay.py                        # on a CUDA machine: bench/results/gpu/
     python bench/bench_gpu_replay.py --tiny --device cpu    # a smoke run of the same code on CPU
+    python bench/bench_gpu_replay.py --replan bench/results/gpu/replay_seq4096.json   # no GPU: re-predict
 """
 
 from __future__ import annotations
