@@ -193,17 +193,18 @@ def check_split(model: nn.Module, split_fn: Callable[..., Any], *, num_stages: i
             small = _build_small(model)
             _randomize(small, small.get_output_embeddings())
             ids, positions = _batch(int(small.config.vocab_size))
-            try:
-                torch.manual_seed(1)
-                output = small(input_ids=ids, position_ids=positions, use_cache=False)
-            except Exception as exc:
-                raise _Refused(f"the unsplit shrunken model fails: {type(exc).__name__}: {exc}") from exc
-            want = output.logits
             # a requested router aux loss is part of the objective: its gradient reaches every router
             try:
                 requested = router_aux_of(small)
             except UnsupportedModelError as exc:
                 raise _Refused(str(exc)) from exc
+            extra = _router_logits_kwargs(small) if requested is not None else {}
+            try:
+                torch.manual_seed(1)
+                output = small(input_ids=ids, position_ids=positions, use_cache=False, **extra)
+            except Exception as exc:
+                raise _Refused(f"the unsplit shrunken model fails: {type(exc).__name__}: {exc}") from exc
+            want = output.logits
             want_aux = output.aux_loss if requested is not None else None
             weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)) / want.numel() ** 0.5
             ((want * weight).sum() + (want_aux if want_aux is not None else 0.0)).backward()
@@ -229,6 +230,19 @@ def check_split(model: nn.Module, split_fn: Callable[..., Any], *, num_stages: i
         return _compare(small, got, want, want_grads, held)
 
 
+def _router_logits_kwargs(model: nn.Module) -> dict[str, Any]:
+    """``output_router_logits=True`` for a forward that takes it: the config asks for the aux loss, and some
+    transformers versions' forwards default the argument to False instead of reading the config (JetMoE in
+    5.17), so the reference would otherwise leave out what the stages compute."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"output_router_logits": True} if "output_router_logits" in params else {}
+
+
 def _coefficient_error(small: nn.Module, ids: torch.Tensor, positions: torch.Tensor, aux: float) -> str:
     """Why the aux loss's weight the loss function will use is not the model's own (empty if it is).
 
@@ -241,7 +255,13 @@ def _coefficient_error(small: nn.Module, ids: torch.Tensor, positions: torch.Ten
     try:
         with torch.no_grad():
             torch.manual_seed(1)
-            out = small(input_ids=ids, labels=ids, position_ids=positions, use_cache=False)
+            out = small(
+                input_ids=ids,
+                labels=ids,
+                position_ids=positions,
+                use_cache=False,
+                **_router_logits_kwargs(small),
+            )
             ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
             implied = (float(out.loss) - float(ce)) / aux
     except Exception as exc:  # the model's own forward with labels
