@@ -350,6 +350,7 @@ class Pacer:
     as a real receive would stall it. A rank that runs late (offload waits) does not wait at all."""
 
     def __init__(self, schedule: Any, costs: Any, device: torch.device):
+        from pp_offload.runtime.timing import parse_action
         from pp_offload.sim import dependency, simulate
 
         order = {r: list(a) for r, a in schedule.pipeline_order.items()}
@@ -372,15 +373,14 @@ class Pacer:
             if producer is not None and owner.get(producer[0]) != self.rank and producer in ends:
                 self._ready[(stage, kind, mb)] = ends[producer]
         self.start = 0.0
+        self._parse = parse_action  # called before every action: looked up once here
 
     def begin(self) -> None:
         _sync(self.device)
         self.start = time.perf_counter()
 
     def before(self, action: Any) -> None:
-        from pp_offload.runtime.timing import parse_action
-
-        parsed = parse_action(str(action))
+        parsed = self._parse(str(action))
         if parsed is None or parsed[2] is None:
             return
         stage, kind, mb = parsed

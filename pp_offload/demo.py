@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import math
 import os
@@ -47,22 +46,22 @@ _ABS_TOL = 1e-6
 
 @dataclass(frozen=True)
 class _Spec:
-    """A schedule of the demo: class ``name`` from ``module``, its stage placement and extra arguments."""
+    """A schedule of the demo: class ``name`` (`pp_offload.runtime.catalog`), its stage placement and extra
+    arguments."""
 
     label: str
     name: str
-    module: str
     placement: str  # "v" or "loop", as in pp_offload.emulate.stage_indices
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 SCHEDULES: tuple[_Spec, ...] = (
-    _Spec("ScheduleVMin", "ScheduleVMin", "pp_offload", "v"),
-    _Spec("ScheduleVHalf", "ScheduleVHalf", "pp_offload", "v"),
-    _Spec("ScheduleVZB", "ScheduleVZB", "pp_offload", "v"),
-    _Spec("ScheduleVAdaptive(0.75)", "ScheduleVAdaptive", "pp_offload", "v", {"memory_limit": 0.75}),
-    _Spec("ScheduleZBVZeroBubble", "ScheduleZBVZeroBubble", "torch.distributed.pipelining", "v"),
-    _Spec("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", "torch.distributed.pipelining", "loop"),
+    _Spec("ScheduleVMin", "ScheduleVMin", "v"),
+    _Spec("ScheduleVHalf", "ScheduleVHalf", "v"),
+    _Spec("ScheduleVZB", "ScheduleVZB", "v"),
+    _Spec("ScheduleVAdaptive(0.75)", "ScheduleVAdaptive", "v", {"memory_limit": 0.75}),
+    _Spec("ScheduleZBVZeroBubble", "ScheduleZBVZeroBubble", "v"),
+    _Spec("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", "loop"),
 )
 _LOSS_CURVE_OF = "ScheduleVHalf"  # whose per-step losses are printed
 
@@ -204,23 +203,23 @@ def _train(rank: int, config: DemoConfig, spec: _Spec) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
 
     from pp_offload.emulate import stage_indices
-    from pp_offload.runtime import compat
+    from pp_offload.runtime.catalog import build_schedule, schedule_info
     from pp_offload.runtime.timing import ActionTimer, realized_bubble
 
     d, m = config.ranks, config.num_microbatches
     model = build_model(config)
     indices = stage_indices(rank, d, spec.placement)
     stages = [PipelineStage(model[s], s, config.num_stages, torch.device("cpu")) for s in indices]
-    compat.skip_self_p2p_warmup(stages)  # torch 2.11 + gloo: no warm-up send to the own rank
-    cls = getattr(importlib.import_module(spec.module), spec.name)
     loss_fn = functools.partial(_loss, num_microbatches=m)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False, **spec.kwargs)
+            schedule = build_schedule(
+                schedule_info(spec.name), stages, m, loss_fn=loss_fn, scale_grads=False, **spec.kwargs
+            )
     except ValueError as e:
-        # e.g. m not a multiple of d for Interleaved1F1B, or no V order under the memory limit. Building
-        # a schedule communicates nothing and fails alike on every rank, so all ranks skip it together.
+        # e.g. m not a multiple of d for Interleaved1F1B, or no V order under the memory limit. It fails
+        # alike on every rank (a spread order search fails everywhere together), so all ranks skip it.
         return {"label": spec.label, "skipped": str(e).splitlines()[0]}
     optimizer = torch.optim.Adam([p for s in indices for p in model[s].parameters()], lr=config.lr)
     has_first, has_last = 0 in indices, config.num_stages - 1 in indices

@@ -11,6 +11,7 @@ split that silently computes something else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -187,10 +188,14 @@ def _mask_reads_positions(base: Any) -> bool | None:
     their boundaries) change with transformers releases: Falcon's forward passes them since 5.24. The split
     must build the mask exactly as the unsplit model does, so for those families the installed forward is
     read. None when its source cannot be read (the table's value stands)."""
-    if base is None:
-        return None
+    return None if base is None else _forward_passes_positions(type(base))
+
+
+@functools.cache
+def _forward_passes_positions(cls: type) -> bool | None:
+    """`_mask_reads_positions` for a module class (its source is read once)."""
     try:
-        source = inspect.getsource(type(base).forward)
+        source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return None
     found = False
