@@ -174,6 +174,8 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 RECOMPUTE_POLICIES = (None, "full", "budget:0.67")  # selective recompute alone and with offload
+MIXED = "selective:0.5"  # ceil(0.5 x 3): the first 2 blocks of each stage
+MIXED_POLICIES = (None, "full", "budget:1")  # budget:1 moves the plain block too
 BLOCK_BYTES = ROWS * HIDDEN * 4  # one fp32 activation of a block
 
 
@@ -202,6 +204,26 @@ def _step(rank: int, d: int, m: int, model: nn.Sequential, name: str, placement:
     )
     grads = {f"{s}.{n}": p.grad.clone() for s in ids for n, p in model[s].named_parameters()}
     return schedule, [t.detach() for t in losses], grads, ids
+
+
+def _recompute_run(
+    rank: int, d: int, m: int, model: nn.Sequential, name: str, placement: str, policy
+) -> dict:
+    """One step with the model's checkpointing as it is: losses, grads, what the store captured and how
+    many chunks were dropped between I and W."""
+    schedule, losses, grads, _ = _step(rank, d, m, model, name, placement, policy)
+    runtime = getattr(schedule, "offload", None)  # None: no offload (torch schedules lack it)
+    if runtime is not None:
+        assert runtime.store.resident_bytes() == 0, "chunks left in the store after a step"
+    return {
+        "losses": losses,
+        "grads": grads,
+        "captured": dict(runtime.store.last_captured) if runtime is not None else {},
+        "dropped": 0
+        if runtime is None
+        else sum(a.computation_type == OFFLOAD for a in runtime.plan.order[rank])
+        - len(runtime.plan.offloaded[rank]),
+    }
 
 
 def _worker(rank: int, world_size: int, m: int) -> dict:
@@ -233,19 +255,13 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
     assert activation_checkpointing(dict(enumerate(model)), layers=list, mode="selective") == 2 * d * LAYERS
     for name, placement in SCHEDULES:
         for policy in RECOMPUTE_POLICIES:
-            schedule, losses, grads, ids = _step(rank, d, m, model, name, placement, policy)
-            runtime = getattr(schedule, "offload", None)  # None: no offload (torch schedules lack it)
-            if runtime is not None:
-                assert runtime.store.resident_bytes() == 0, "chunks left in the store after a step"
-            out[("selective", name, policy)] = {
-                "losses": losses,
-                "grads": grads,
-                "captured": dict(runtime.store.last_captured) if runtime is not None else {},
-                "dropped": 0
-                if runtime is None
-                else sum(a.computation_type == OFFLOAD for a in runtime.plan.order[rank])
-                - len(runtime.plan.offloaded[rank]),
-            }
+            out[("selective", name, policy)] = _recompute_run(rank, d, m, model, name, placement, policy)
+    # a recompute plan on a share of each stage's blocks: the first 2 of 3 selective, the last keeps all
+    assert activation_checkpointing(dict(enumerate(model)), layers=list, mode="none") == 0
+    assert activation_checkpointing(dict(enumerate(model)), layers=list, mode=MIXED) == 2 * d * 2
+    for name, placement in SCHEDULES:
+        for policy in MIXED_POLICIES:
+            out[("mixed", name, policy)] = _recompute_run(rank, d, m, model, name, placement, policy)
     return out
 
 
@@ -283,20 +299,25 @@ def test_budget_offload_keeps_losses_and_grads() -> None:
                 )
 
 
-def test_selective_recompute_with_offload_keeps_losses_and_grads() -> None:
-    """Selective recompute alone, with whole-chunk and with budget offload: exact, and the cached Linear
-    outputs went through the store: each block keeps its first Linear's output (its second is the
-    block's last op, which a recomputation never reaches, so it is not kept), so a whole chunk holds one
-    output per block plus the inputs of its blocks past the first (the stage input stays in place); a
-    moved layer holds its kept output and, past the first, its input. Without the cache in the store a
-    chunk would hold only block inputs."""
+@pytest.mark.parametrize(
+    ("tag", "policies", "per_layer"),
+    [("selective", RECOMPUTE_POLICIES, (1, 2, 2)), ("mixed", MIXED_POLICIES, (1, 2, 3))],
+)
+def test_recompute_with_offload_keeps_losses_and_grads(tag: str, policies: tuple, per_layer: tuple) -> None:
+    """Selective recompute of every block, and of a share of them (``selective:0.5``: each stage's first
+    2 blocks, the third keeps everything), alone, with whole-chunk and with budget offload: exact, and
+    the cached Linear outputs went through the store. A selective block keeps its first Linear's output
+    (its second is the block's last op, which a recomputation never reaches, so it is not kept) and, past
+    the stage's first block, its input (the stage input stays in place); a plain block the inputs of its
+    Linear, GELU and second Linear. So a moved layer holds ``per_layer`` blocks and a whole chunk their
+    sum. Without the cache in the store a selective chunk would hold only block inputs."""
     d, m = 2, 4
     ref_losses, ref_grads = _reference(d, m)
     results = _run(d)
     for name, _ in SCHEDULES:
-        for policy in RECOMPUTE_POLICIES:
-            what = f"selective recompute, {name} offload={policy}"
-            got = [r[("selective", name, policy)] for r in results]
+        for policy in policies:
+            what = f"{tag} recompute, {name} offload={policy}"
+            got = [r[(tag, name, policy)] for r in results]
             torch.testing.assert_close([t for g in got for t in g["losses"]], ref_losses, msg=what)
             grads = {k: v for g in got for k, v in g["grads"].items()}
             assert grads.keys() == ref_grads.keys()
@@ -308,13 +329,13 @@ def test_selective_recompute_with_offload_keeps_losses_and_grads() -> None:
                 continue
             assert captured, f"{what}: nothing captured"
             for key, nbytes in captured.items():
-                if len(key) == 2:
-                    want = (2 * LAYERS - 1) * BLOCK_BYTES
-                else:
-                    want = (1 if key[2] == 0 else 2) * BLOCK_BYTES
+                want = (sum(per_layer) if len(key) == 2 else per_layer[key[2]]) * BLOCK_BYTES
                 assert nbytes == want, f"{what}: {key} captured {nbytes} bytes, expected {want}"
             assert all(len(k) == (2 if policy == "full" else 3) for k in captured), what
-            if "ZB" in name and policy.startswith("budget"):  # recomputed in I and again, reloaded, in W
+            if policy == "budget:1":
+                assert {k[2] for k in captured} == {0, 1, 2}, f"{what}: not every layer moved"
+            if "ZB" in name and policy.startswith("budget"):
+                # recomputed in I and again, reloaded, in W
                 assert sum(g["dropped"] for g in got) > 0, f"{what}: no chunk dropped between I and W"
 
 

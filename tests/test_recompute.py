@@ -255,6 +255,35 @@ def test_saved_op_list_and_modes() -> None:
     assert torch.equal(model(x), _blocks()(x))  # same forward, same weights
 
 
+def test_a_share_of_the_layers_wraps_the_earliest_and_unwraps_the_rest() -> None:
+    """``selective:0.5`` of 3 layers: the first ceil(1.5) = 2 checkpointed, the third its own forward
+    again; ``none`` undoes everything; the recipe knob takes the plan string."""
+
+    def wrapped(model: nn.Module) -> list[str | None]:
+        return [
+            getattr(vars(b).get("forward"), "func", None) and vars(b)["forward"].func.__name__ for b in model
+        ]
+
+    assert checkpointing_mode("Selective:0.50") == "selective:0.5"
+    assert checkpointing_mode("full:1") == "full"
+    with pytest.raises(ValueError, match="share S in"):
+        checkpointing_mode("selective:0")
+    model = _blocks()
+    assert activation_checkpointing({0: model}, layers=list) == LAYERS  # full, every layer
+    assert activation_checkpointing({0: model}, layers=list, mode="selective:0.5") == 2
+    assert wrapped(model) == ["_selective", "_selective", None]
+    assert activation_checkpointing({0: model}, layers=list, mode="full:0.34") == 2  # ceil(1.02)
+    assert wrapped(model) == ["_checkpointed", "_checkpointed", None]
+    assert activation_checkpointing({0: model}, layers=list, mode="none") == 0
+    assert wrapped(model) == [None, None, None] and all("forward" not in vars(b) for b in model)
+    x = torch.randn(ROWS, HIDDEN)
+    assert torch.equal(model(x), _blocks()(x))
+    assert activation_checkpointing({0: model}, layers=list, mode="selective:0.5") == 2
+    assert [g.shape for g in _grads(model, x)] == [g.shape for g in _grads(_blocks(), x)]
+    for got, want in zip(_grads(model, x), _grads(_blocks(), x), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_recipe_refuses_an_unknown_checkpointing_mode() -> None:
     from pp_offload.recipe.config import ConfigError, RecipeConfig
     from pp_offload.recipe.train import _check

@@ -226,7 +226,128 @@ def test_choose_considers_recompute_options():
     assert st.saved_bytes == round(base.saved_bytes * 0.45)
     assert applied.stages[0].I == measured.stages[0].I  # torch's stage 0: one backward, at W
     options = recompute_options(LLAMA_8B, seq_len=4096)
-    assert [o.mode for o in options] == ["selective", "full"]
-    assert 0.4 < options[0].kept_share < 0.5 and options[1].forward_share == pytest.approx(1.0)
+    assert [o.label for o in options] == ["selective:0.5", "selective:0.75", "selective", "full"]
+    assert all(o.kept_share == options[2].kept_share for o in options[:3])  # the same layer mode
+    assert 0.4 < options[2].kept_share < 0.5 and options[3].forward_share == pytest.approx(1.0)
+    # a share: only the first ceil(share x 4) = 2 layers of each stage lose bytes and gain recompute time
+    half = RecomputeOption("selective", kept_share=0.45, forward_share=0.2, share=0.5).apply(measured)
+    assert half.stages[1].saved_bytes == round(base.saved_bytes - 2 * (base.saved_bytes / 4) * 0.55)
+    assert half.stages[1].I == pytest.approx(base.I + 2 * (0.010 / 4) * 0.2)
+    share = choose(
+        measured,
+        **kw,
+        activation_budget_bytes=budget,
+        recompute=[RecomputeOption("selective", 0.45, 0.2, 0.75)],
+    )
+    assert share.recompute == "selective:0.75"
     with pytest.raises(ValueError, match="layer count"):
         selective.apply(Measurement.uniform(4, F=1, I=1, W=1, saved_bytes=10))
+
+
+def test_recompute_plan_strings_and_layer_counts():
+    from pp_offload.recompute_plan import RecomputePlan, parse_recompute
+
+    assert parse_recompute("selective:0.75") == RecomputePlan("selective", 0.75)
+    assert parse_recompute(" Full:0.5 ").label == "full:0.5"
+    assert parse_recompute("selective:1").label == "selective"  # every layer: the plain mode
+    # the first ceil(share x n) layers of a stage, earliest first
+    plan = parse_recompute("selective:0.75")
+    assert [plan.count(n) for n in (0, 1, 2, 3, 4, 8)] == [0, 1, 2, 3, 3, 6]
+    assert plan.modes(4) == ["selective"] * 3 + ["none"]
+    assert parse_recompute("none").count(4) == 0
+    for bad in ("selective:0", "selective:1.5", "none:0.5", "selective:x", "partial:0.5"):
+        with pytest.raises(ValueError):
+            parse_recompute(bad)
+
+
+def _stage_capture(plan: str, *, per_layer: bool) -> dict:
+    """A tiny HF Llama stage (4 decoder layers, bf16, sdpa) under ``plan`` run through the activation store
+    as the runtime captures it: the layers as one chunk, or (``per_layer``) each layer its own entry as
+    budget offload captures it; the stage input is the pipeline's (kept in place)."""
+    import contextlib
+
+    import torch
+    from transformers import AutoModel, LlamaConfig
+
+    from pp_offload.parallel import activation_checkpointing
+    from pp_offload.runtime.store import ActivationStore
+
+    config = LlamaConfig(**TINY_STAGE, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).to(torch.bfloat16).train()
+    layers = list(model.layers)
+    if plan != "none":
+        activation_checkpointing({0: model}, layers=lambda _: layers, mode=plan)
+    x = torch.randn(1, TINY_SEQ, TINY_STAGE["hidden_size"]).to(torch.bfloat16).requires_grad_(True)
+    store, stack = ActivationStore("cpu"), contextlib.ExitStack()
+
+    def pre(i: int) -> None:
+        if per_layer or i == 0:
+            stack.enter_context(store.capture(i if per_layer else "chunk", keep=[x]))
+
+    def post(i: int) -> None:
+        if per_layer or i == len(layers) - 1:
+            stack.close()
+
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: pre(i))
+        layer.register_forward_hook(lambda m, a, o, i=i: post(i))
+    model(inputs_embeds=x, use_cache=False)
+    return {k: s.captured_bytes for k, s in store.stats().chunks.items()}
+
+
+TINY_STAGE = {
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 64,
+}
+TINY_SEQ = 96  # every activation above the store's 1024-element floor except rsqrt and the log-sum-exp
+
+
+@pytest.mark.parametrize(
+    "plan", ["none", "selective:0.25", "selective:0.5", "selective:0.75", "selective", "full:0.5", "full"]
+)
+def test_planner_bytes_of_a_mixed_plan_equal_what_the_store_captures(plan):
+    """A middle stage (the first layer reads the receive buffer) under a recompute plan on a share of its
+    layers: the planner's saved bytes equal the store's capture of the stage's chunk exactly, and its
+    per-layer bytes (what budget offload moves, earliest layer first) each layer's own store entry, except
+    that a layer keeping everything captured on its own also holds the stage's rotary cos/sin (the planner
+    counts them once per stage)."""
+    from pp_offload.plan.memory import layers_activation_bytes
+    from pp_offload.recompute_plan import parse_recompute
+
+    spec = model_spec({"model_type": "llama", **TINY_STAGE})
+    kw = {"microbatch_size": 1, "seq_len": TINY_SEQ, "recompute": plan}
+    chunk = chunk_activation(spec, "bf16", layers=4, first=False, last=False, **kw)
+    assert _stage_capture(plan, per_layer=False)["chunk"] == chunk.saved
+    rotary = 2 * 2 * TINY_SEQ * spec.head_dim
+    entries = _stage_capture(plan, per_layer=True)
+    modes = parse_recompute(plan).modes(4)
+    got = [entries[i] - (rotary if mode == "none" else 0) for i, mode in enumerate(modes)]
+    assert got == layers_activation_bytes(spec, "bf16", layers=4, first=False, **kw)
+    if plan not in ("none", "selective", "full"):  # mixed: the recomputed layers are the earliest
+        assert modes[0] != "none" and modes[-1] == "none"
+
+
+def test_planner_orders_recompute_shares_between_none_and_every_layer():
+    """A share of the layers costs part of the recompute time for part of the bytes: its step time and its
+    peak lie between no recompute and recomputing every layer, growing with the share; the default plans
+    include shares, and the candidates are ranked by mode, then share."""
+    every = _plan(
+        gpu_memory_gib=8.0, evaluate_dominated=True, recompute=["selective:0.5", "none", "selective"]
+    )
+    assert every.settings["recompute"] == ["none", "selective:0.5", "selective"]
+    plain, half, sel = (
+        every.candidate("ScheduleVHalf", "none", r) for r in ("none", "selective:0.5", "selective")
+    )
+    assert plain.step_time < half.step_time < sel.step_time
+    assert plain.activation_peak > half.activation_peak > sel.activation_peak
+    assert "selective:0.5 recompute" in half.label and half.useless is None
+    with pytest.raises(ValueError, match="share"):
+        _plan(gpu_memory_gib=8.0, recompute=["selective:2"])
+    from pp_offload.plan.planner import DEFAULT_RECOMPUTE
+
+    assert "selective:0.75" in DEFAULT_RECOMPUTE

@@ -37,17 +37,30 @@ class StageBytes:
     resident: what stays on the device whatever is offloaded (the stage's output, the loss's tensors),
         held from the start of its F to the end of its input-gradient pass (I, or B).
     layer: the bytes one moved layer carries (budget offload moves whole layers).
+    per_layer: the bytes of each of the stage's layers, first layer first, where they differ (a recompute
+        plan on a share of the layers, `pp_offload.recompute_plan`; the first layer reading its receive
+        buffer): a moved layer ``i`` then carries ``per_layer[i]`` off the device, and ``layer`` is only the
+        size its copy time is taken from. ``None``: every layer carries ``layer``.
     """
 
     saved: int
     resident: int = 0
     layer: int = 0
+    per_layer: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("saved", "resident", "layer"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"StageBytes.{name} must be an int >= 0 (bytes), got {value!r}")
+        if self.per_layer is not None:
+            object.__setattr__(self, "per_layer", tuple(self.per_layer))
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in self.per_layer):
+                raise ValueError(f"StageBytes.per_layer must hold ints >= 0 (bytes), got {self.per_layer!r}")
+
+    def moved_bytes(self, index: int) -> int:
+        """Bytes layer ``index`` (0: the stage's first) carries off the device when it moves."""
+        return self.layer if self.per_layer is None else self.per_layer[index]
 
     @property
     def total(self) -> int:
@@ -123,7 +136,11 @@ class OffloadInputs:
             "layer_copy": list(self.layer_copy),
             "stage_bytes": None
             if self.stage_bytes is None
-            else [{"saved": b.saved, "resident": b.resident, "layer": b.layer} for b in self.stage_bytes],
+            else [
+                {"saved": b.saved, "resident": b.resident, "layer": b.layer}
+                | ({} if b.per_layer is None else {"per_layer": list(b.per_layer)})
+                for b in self.stage_bytes
+            ],
         }
 
     @classmethod
@@ -147,8 +164,8 @@ def activation_peaks(
     A chunk holds its stage's ``total`` from the start of its F; ``resident`` leaves when its I (or B) ends,
     ``saved`` when its W (or B) ends. An offloaded whole chunk's ``saved`` is off the device from the end
     of its OFFLOAD to the start of its RELOAD; a chunk in ``layered`` (budget offload) moves per layer
-    instead: each moved layer's ``layer`` bytes from the end of its own copy out to the start of its own
-    copy back (``sim.layer_transfers``).
+    instead: each moved layer's bytes (`StageBytes.moved_bytes`) from the end of its own copy out to the
+    start of its own copy back (``sim.layer_transfers``).
     """
     layered = layered or {}
     peaks = []
@@ -164,8 +181,8 @@ def activation_peaks(
                 events.append((finish, -b.saved))
             elif kind == B:
                 events.append((finish, -b.total))
-        for action, _, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
-            nbytes = stage_bytes[int(action.stage_index)].layer
+        for action, index, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
+            nbytes = stage_bytes[int(action.stage_index)].moved_bytes(index)
             events.append((finish, -nbytes) if _kind(action) == OFFLOAD else (start, nbytes))
         for action, start, finish in sim.transfers.get(rank, []):
             if (int(action.stage_index), int(action.microbatch_index)) in layered:

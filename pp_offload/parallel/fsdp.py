@@ -54,6 +54,7 @@ tie) stays correct under FSDP.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pp_offload.models.split import KeptLayers, ModelSplit
 from pp_offload.parallel.mesh import data_parallel_mesh
+from pp_offload.recompute_plan import parse_recompute
 from pp_offload.runtime import compat
 
 __all__ = [
@@ -332,18 +334,33 @@ _WRAPPERS = {"full": _checkpointed, "selective": _selective}
 
 
 def checkpointing_mode(value: Any) -> str | None:
-    """The recipe's ``train.activation_checkpointing`` as a mode: ``false``/``"none"`` -> None, ``true`` ->
-    ``"full"``, ``"full"``/``"selective"`` as they are; anything else raises ValueError naming the choices."""
+    """The recipe's ``train.activation_checkpointing`` as a plan string: ``false``/``"none"`` -> None,
+    ``true`` -> ``"full"``, ``"full"``/``"selective"`` and those on a share of each stage's layers
+    (``"selective:0.75"``, `pp_offload.recompute_plan`) in canonical form; anything else raises ValueError
+    naming the choices."""
     if value is False or value is None or value == "none":
         return None
     if value is True:
         return "full"
-    if isinstance(value, str) and value in CHECKPOINTING_MODES:
-        return value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            plan = parse_recompute(value)
+            if plan.mode != "none":
+                return plan.label
     raise ValueError(
-        f"activation checkpointing must be false, true, 'full' or 'selective', got {value!r}; 'full' "
-        "recomputes each decoder layer from its input, 'selective' keeps matmul and attention outputs"
+        f"activation checkpointing must be false, true, 'full', 'selective', or 'full:S'/'selective:S' for "
+        f"the first share S in (0, 1] of each stage's layers, got {value!r}; 'full' recomputes each decoder "
+        "layer from its input, 'selective' keeps matmul and attention outputs"
     )
+
+
+def _unwrap(layer: nn.Module, inner: Callable[..., Any]) -> None:
+    """Give ``layer`` back the forward a checkpointing wrapper wrapped: its class's own (the instance
+    attribute goes) or whatever instance forward it had before."""
+    if getattr(inner, "__self__", None) is layer and getattr(inner, "__func__", None) is type(layer).forward:
+        del layer.forward
+    else:
+        layer.forward = inner
 
 
 def activation_checkpointing(
@@ -352,7 +369,12 @@ def activation_checkpointing(
     layers: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
     mode: str = "full",
 ) -> int:
-    """Recompute every decoder layer of the stage modules in backward; returns how many layers it wrapped.
+    """Recompute the decoder layers of the stage modules in backward; returns how many layers it wrapped.
+
+    ``mode`` may name a share of each stage's layers, ``"selective:0.75"`` (`pp_offload.recompute_plan`):
+    then only the first ``ceil(0.75 x n)`` of a stage's ``n`` layers (``layers(stage)`` order) are
+    checkpointed and the others keep everything (unwrapped again if an earlier call wrapped them), as the
+    planner's `pp_offload.plan.memory.chunk_activation` counts them. ``"none"`` unwraps every layer.
 
     mode ``"full"``: a checkpointed layer saves only its inputs in forward (non-reentrant
     ``torch.utils.checkpoint``): it saves them as autograd saved tensors, so the activation store's hooks
@@ -378,22 +400,29 @@ def activation_checkpointing(
     second call with another mode switches the layers to it. Apply before or after `apply_fsdp`, before
     the first step.
     """
-    if mode not in _WRAPPERS:
-        raise ValueError(f"mode must be one of {CHECKPOINTING_MODES}, got {mode!r}")
-    wrapper = _WRAPPERS[mode]
+    try:
+        plan = parse_recompute(mode)
+    except ValueError:
+        plan = None
+    if plan is None:
+        raise ValueError(
+            f"mode must be one of {CHECKPOINTING_MODES}, or one of them with a share ('selective:0.75'), "
+            f"or 'none' (undo), got {mode!r}"
+        )
+    wrapper = _WRAPPERS.get(plan.mode)
     find_layers = layers if layers is not None else _decoder_layers
     wrapped = 0
     for stage in _stage_modules(modules).values():
-        for layer in find_layers(stage):
+        found = list(find_layers(stage))
+        for index, layer in enumerate(found):
             forward = vars(layer).get("forward")
             if isinstance(forward, functools.partial) and forward.func in _WRAPPERS.values():
-                if forward.func is wrapper:
+                if forward.func is wrapper and index < plan.count(len(found)):
                     continue
-                forward = forward.args[0]  # another mode: rewrap the forward it wraps
-            else:
-                forward = layer.forward
-            layer.forward = functools.partial(wrapper, forward)
-            wrapped += 1
+                _unwrap(layer, forward.args[0])  # another mode, or out of the share
+            if index < plan.count(len(found)):
+                layer.forward = functools.partial(wrapper, layer.forward)
+                wrapped += 1
     return wrapped
 
 

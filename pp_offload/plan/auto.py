@@ -62,6 +62,7 @@ from pp_offload.plan.evaluate import (
 from pp_offload.plan.memory import ChunkActivation, StateBytes
 from pp_offload.plan.orders import OURS, canonical_schedule, layout, microbatch_problem, resolve_search
 from pp_offload.plan.probe import PROBE_OFFLOAD, PROBE_SCHEDULE, Measurement, StageMeasurement, measure_step
+from pp_offload.recompute_plan import RecomputePlan, parse_recompute
 
 __all__ = [
     "DEFAULT_OFFLOAD",
@@ -225,7 +226,7 @@ def choose(
             raise TypeError(
                 f"recompute entries must be RecomputeOption (see recompute_options), got {option!r}"
             )
-        measured[option.mode] = option.apply(measurement)
+        measured[option.label] = option.apply(measurement)
     candidates: list[AutoCandidate] = []
     for mode, meas in measured.items():
         for name in names:
@@ -265,9 +266,10 @@ def choose(
 
 @dataclass(frozen=True)
 class RecomputeOption:
-    """What recomputing every decoder layer in backward changes in a measured stage.
+    """What recomputing decoder layers in backward changes in a measured stage.
 
     mode: ``"selective"`` or ``"full"`` (`pp_offload.plan.memory.RECOMPUTE`).
+    share: the share of each stage's layers recomputed, earliest first (`pp_offload.recompute_plan`); 1: all.
     kept_share: share of one layer's saved bytes that stays saved (in (0, 1]).
     forward_share: time one backward pass (I or W) spends recomputing one layer, as a share of the layer's
         forward: 1 for full recompute; for selective, the elementwise ops' HBM traffic over the layer's
@@ -280,17 +282,25 @@ class RecomputeOption:
     mode: str
     kept_share: float
     forward_share: float
+    share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("selective", "full"):
             raise ValueError(f"RecomputeOption.mode must be 'selective' or 'full', got {self.mode!r}")
+        RecomputePlan(self.mode, self.share)  # checks the share
         if not 0 < self.kept_share <= 1:
             raise ValueError(f"RecomputeOption.kept_share must be in (0, 1], got {self.kept_share!r}")
         if not 0 <= self.forward_share < math.inf:
             raise ValueError(f"RecomputeOption.forward_share must be >= 0, got {self.forward_share!r}")
 
+    @property
+    def label(self) -> str:
+        """The plan string (``"selective:0.75"``): what ``train.activation_checkpointing`` applies."""
+        return RecomputePlan(self.mode, self.share).label
+
     def apply(self, measurement: Measurement) -> Measurement:
-        """``measurement`` as if its decoder layers were recomputed: per stage, its layers' saved bytes
+        """``measurement`` as if its decoder layers (the option's share of each stage's, earliest first)
+        were recomputed: per stage, those layers' saved bytes
         scaled by ``kept_share`` (each layer's bytes taken as the smallest measured per layer: first and
         last stages carry the embedding, head and loss besides), copy times in proportion, and I and W
         each lengthened by one recompute of the stage's layers (a layer's forward taken as the smallest
@@ -305,10 +315,12 @@ class RecomputeOption:
         per_layer_bytes = min(st.saved_bytes / st.layers for st in with_layers)
         per_layer_forward = min(st.F / st.layers for st in with_layers)
         stages = []
+        plan = RecomputePlan(self.mode, self.share)
         for index, st in enumerate(measurement.stages):
-            saved = max(0, round(st.saved_bytes - st.layers * per_layer_bytes * (1.0 - self.kept_share)))
+            count = plan.count(st.layers)
+            saved = max(0, round(st.saved_bytes - count * per_layer_bytes * (1.0 - self.kept_share)))
             ratio = saved / st.saved_bytes if st.saved_bytes else 1.0
-            extra = st.layers * per_layer_forward * self.forward_share
+            extra = count * per_layer_forward * self.forward_share
             stages.append(
                 replace(
                     st,
@@ -329,15 +341,16 @@ def recompute_options(
     microbatch_size: int = 1,
     machine: Any = "H100",
     dtype: str = "bf16",
-    modes: Sequence[str] = ("selective", "full"),
+    modes: Sequence[str] = ("selective:0.5", "selective:0.75", "selective", "full"),
 ) -> list[RecomputeOption]:
     """The planner's recompute model (`pp_offload.plan.memory`, `pp_offload.plan.costs`) as options for
-    `choose`: per mode, the kept share of a layer's saved bytes and the recompute time per backward pass
-    as a share of the layer's forward, for ``model`` (anything `pp_offload.plan.model.model_spec` reads)
-    on ``machine`` (a preset name or `pp_offload.plan.Machine`)."""
+    `choose`: per plan (a mode, or a mode on a share of each stage's layers: `pp_offload.recompute_plan`),
+    the kept share of a recomputed layer's saved bytes and the recompute time per backward pass as a share
+    of the layer's forward, for ``model`` (anything `pp_offload.plan.model.model_spec` reads) on
+    ``machine`` (a preset name or `pp_offload.plan.Machine`)."""
     from pp_offload.plan.costs import recompute_seconds, stage_times
     from pp_offload.plan.machines import resolve_machine
-    from pp_offload.plan.memory import check_recompute, layer_activation_bytes
+    from pp_offload.plan.memory import layer_activation_bytes
     from pp_offload.plan.model import model_spec
 
     spec, mach = model_spec(model), resolve_machine(machine)
@@ -345,12 +358,13 @@ def recompute_options(
     plain = layer_activation_bytes(spec, dtype, **kw)
     forward = stage_times(spec, mach, dtype, layers=1, first=False, last=False, **kw).F
     out = []
-    for mode in modes:
-        if check_recompute(mode) == "none":
+    for label in modes:
+        plan = parse_recompute(label)
+        if plan.mode == "none":
             continue
-        kept = layer_activation_bytes(spec, dtype, recompute=mode, **kw) / plain
-        share = recompute_seconds(spec, mach, dtype, recompute=mode, **kw) / forward
-        out.append(RecomputeOption(mode, kept, share))
+        kept = layer_activation_bytes(spec, dtype, recompute=plan.mode, **kw) / plain
+        share = recompute_seconds(spec, mach, dtype, recompute=plan.mode, **kw) / forward
+        out.append(RecomputeOption(plan.mode, kept, share, plan.share))
     return out
 
 

@@ -156,8 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--recompute",
         nargs="+",
         default=None,
-        choices=("none", "selective", "full"),
-        help="activation recompute modes of the decoder layers to try (default: all three)",
+        metavar="PLAN",
+        help="activation recompute of the decoder layers to try: none, selective, full, or a mode on the "
+        "first share of each stage's layers, e.g. selective:0.75 (default: none selective:0.5 "
+        "selective:0.75 selective full)",
     )
     p.add_argument(
         "--search",

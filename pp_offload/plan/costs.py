@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from pp_offload.plan.machines import Machine
 from pp_offload.plan.memory import (
     Precision,
-    check_recompute,
+    layer_mode,
     layer_recompute_traffic,
     lora_layer_params,
     precision,
 )
 from pp_offload.plan.model import ModelSpec
+from pp_offload.recompute_plan import parse_recompute
 
 __all__ = [
     "PassTimes",
@@ -112,15 +113,16 @@ def stage_times(
     recompute: str = "none",
 ) -> PassTimes:
     """Seconds of one stage's F, I and W passes for one microbatch; with ``recompute``, I and W each
-    include one recompute of the stage's layers (module doc)."""
+    include one recompute of the stage's recomputed layers (all of them, or the plan's share: module doc)."""
     del first  # the embedding is counted as free
     p = precision(dtype)
     per_token = layer_flops(spec, seq_len=seq_len).scaled(layers)
     if last:
         per_token = per_token + head_flops(spec)
     times = per_token.scaled(microbatch_size * seq_len / machine.flops_for(p.name))
-    extra = layers * recompute_seconds(
-        spec, machine, p, microbatch_size=microbatch_size, seq_len=seq_len, recompute=recompute
+    plan = parse_recompute(recompute)
+    extra = plan.count(layers) * recompute_seconds(
+        spec, machine, p, microbatch_size=microbatch_size, seq_len=seq_len, recompute=plan.mode
     )
     return PassTimes(times.F, times.I + extra, times.W + extra)
 
@@ -137,7 +139,8 @@ def recompute_seconds(
     """Seconds one backward pass (I or W) spends recomputing one decoder layer for one microbatch: 0
     without recompute, HBM traffic / bandwidth for ``"selective"``, the layer's forward for ``"full"``."""
     p = precision(dtype)
-    if check_recompute(recompute) == "none":
+    recompute = layer_mode(recompute)
+    if recompute == "none":
         return 0.0
     if recompute == "selective":
         traffic = layer_recompute_traffic(spec, p, microbatch_size=microbatch_size, seq_len=seq_len)

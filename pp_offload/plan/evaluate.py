@@ -51,6 +51,7 @@ from pp_offload.plan.memory import (
     StateBytes,
     chunk_activation,
     layer_activation_bytes,
+    layers_activation_bytes,
     recv_buffer_bytes,
     stage_params,
     state_bytes,
@@ -59,6 +60,7 @@ from pp_offload.plan.memory import (
 from pp_offload.plan.model import ModelSpec
 from pp_offload.plan.orders import OURS, Layout, build_order, layout, microbatch_problem
 from pp_offload.plan.split import balanced_split
+from pp_offload.recompute_plan import parse_recompute
 
 __all__ = [
     "PolicyResult",
@@ -104,6 +106,21 @@ class Setup:
         0  # one decoder layer's saved bytes per microbatch (what budget offload moves per layer)
     )
     layer_copy: float = 0.0  # seconds to copy one layer's saved bytes one way
+    layers_bytes: list[list[int]] = field(default_factory=list)
+    """Per stage, each decoder layer's saved bytes per microbatch, first layer first
+    (`pp_offload.plan.memory.layers_activation_bytes`): what a moved layer carries."""
+
+    def longer_copies(self, stage: int, moved: int) -> int:
+        """How many of the first ``moved`` layers of ``stage`` carry more than the copy size their copies are
+        timed with (`PolicyResult.longer_copies`)."""
+        size = self.stage_layer_bytes(stage)
+        return sum(1 for b in (self.layers_bytes[stage] if self.layers_bytes else [])[:moved] if b > size)
+
+    def moved_layer_bytes(self, stage: int, moved: int) -> int:
+        """Bytes the first ``moved`` layers of ``stage`` carry (budget offload moves the earliest first)."""
+        if not self.layers_bytes:
+            return moved * self.stage_layer_bytes(stage)
+        return sum(self.layers_bytes[stage][:moved])
 
     def stage_layer_bytes(self, stage: int) -> int:
         """Bytes one moved layer of ``stage`` carries: ``layer_bytes``, but never more than the stage's
@@ -130,6 +147,7 @@ class Setup:
                     saved=int(st.activation.saved),
                     resident=int(st.activation.resident),
                     layer=int(self.stage_layer_bytes(s)),
+                    per_layer=tuple(self.layers_bytes[s]) if self.layers_bytes else None,
                 )
                 for s, st in enumerate(self.stages)
             ),
@@ -243,9 +261,24 @@ def setup_schedule(
                 for st in held
             )
         )
+    # one recomputed layer's bytes (a plan on a share of the layers recomputes the earliest, which budget
+    # offload moves first): the size of a moved layer's copy
+    plan = parse_recompute(recompute)
     per_layer = layer_activation_bytes(
-        spec, precision, microbatch_size=microbatch_size, seq_len=seq_len, recompute=recompute
+        spec, precision, microbatch_size=microbatch_size, seq_len=seq_len, recompute=plan.mode
     )
+    layers_bytes = [
+        layers_activation_bytes(
+            spec,
+            precision,
+            layers=count,
+            first=s == 0,
+            microbatch_size=microbatch_size,
+            seq_len=seq_len,
+            recompute=recompute,
+        )
+        for s, count in enumerate(layers)
+    ]
     problem = microbatch_problem(schedule, pp, num_microbatches, virtual_stages=virtual_stages)
     empty = [s for s in range(1, n - 1) if layers[s] == 0]
     if problem is None and empty:
@@ -267,6 +300,7 @@ def setup_schedule(
         recompute=recompute,
         layer_bytes=per_layer,
         layer_copy=transfer_seconds(per_layer, machine),
+        layers_bytes=layers_bytes,
     )
 
 
@@ -330,6 +364,10 @@ class PolicyResult:
     moved_layers_per_rank: list[int] = field(default_factory=list)  # budget: layer copies out per rank
     moved_bytes: int = 0  # bytes copied out (and back) over the step
     saved_bytes: int = 0  # bytes all chunks of the step save
+    longer_copies: int = 0
+    """Moved layers bigger than the copy size their copy is timed with (`Setup.stage_layer_bytes`): under a
+    recompute plan on a share of the layers, the layers past the share, moved once a budget moves more
+    than the share. Their copies are timed as too short; 0 means the plan's timing is exact."""
 
 
 @dataclass
@@ -403,8 +441,10 @@ def evaluate_orders(
             for (stage, kind, _), _, _ in tl
             if kind == F
         )
+        longer = 0
         if layered:
-            moved = sum(c.moved * setup.stage_layer_bytes(key[0]) for key, c in layered.items())
+            moved = sum(setup.moved_layer_bytes(key[0], c.moved) for key, c in layered.items())
+            longer = sum(setup.longer_copies(key[0], c.moved) for key, c in layered.items())
         elif resolved.enabled:
             moved = sum(
                 setup.stages[s].activation.saved for r in planned.offloaded for s, _ in planned.offloaded[r]
@@ -430,6 +470,7 @@ def evaluate_orders(
                 else [],
                 moved_bytes=moved,
                 saved_bytes=saved,
+                longer_copies=longer,
             )
         )
     return results
@@ -449,7 +490,8 @@ def offload_plan(setup: Setup, order: Any, policy: Any) -> Any:
 
 def activation_peaks(sim: Any, setup: Setup, *, layered: Any = None) -> list[int]:
     """Per rank, the peak of the activation bytes over the simulated timeline (see the module doc, 4).
-    ``layered``: the plan's layer-by-layer chunks (their per-layer copies move `Setup.stage_layer_bytes`)."""
+    ``layered``: the plan's layer-by-layer chunks (each moved layer carries its own bytes,
+    `Setup.layers_bytes`)."""
     stage_bytes = setup.offload_inputs().stage_bytes
     assert stage_bytes is not None  # a setup always knows its stages' bytes  # noqa: S101
     return byte_peaks(sim, stage_bytes, layered)
@@ -475,6 +517,7 @@ def combine(results: list[PolicyResult], num_microbatches: int) -> dict[str, Any
         "reload_wait": last.reload_wait,
         "offloaded_share": last.offloaded / last.chunks if last.chunks else 0.0,
         "moved_share": last.moved_bytes / last.saved_bytes if last.saved_bytes else 0.0,
+        "longer_copies": max(r.longer_copies for r in results),
         "extrapolated": len(results) > 1,
     }
 

@@ -32,7 +32,10 @@ Activation checkpointing (``recompute``, `RECOMPUTE`), per decoder layer:
   real HF layers; ``tests/test_recompute_plan.py`` compares).
   Dropout masks are not kept (the recompute replays the RNG state).
 - ``"full"``: only the layer input (a*h), which on a stage's first layer is the receive buffer (0).
-  The stage's rotary cos/sin and the final norm are counted as without recompute in every mode.
+  The stage's final norm is counted as without recompute in every mode, its rotary cos/sin only while at
+  least one of its layers keeps everything (checkpointed layers get them as inputs, outside the store).
+- A mode on a share of a stage's layers (``"selective:0.75"``, `pp_offload.recompute_plan`): the first
+  ``ceil(share x layers)`` layers in that mode, the others as without recompute (`layers_activation_bytes`).
 Embedding stage: the token ids (int64) and the embedding output (saved by the first norm).
 Head stage: the final norm (as above), then the logits are not saved by the head; the loss (outside the
 stage's forward, so never offloaded) keeps fp32 log-probabilities, 4 x vocab per token.
@@ -59,6 +62,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pp_offload.plan.model import ModelSpec
+from pp_offload.recompute_plan import MODES, parse_recompute
 
 __all__ = [
     "PRECISIONS",
@@ -68,6 +72,8 @@ __all__ = [
     "StateBytes",
     "chunk_activation",
     "layer_activation_bytes",
+    "layer_mode",
+    "layers_activation_bytes",
     "layer_params",
     "layer_recompute_traffic",
     "precision",
@@ -77,9 +83,12 @@ __all__ = [
     "transient_bytes",
 ]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = MODES
 """Activation checkpointing modes of the decoder layers (module doc): none, recompute the elementwise ops
-from the kept matmul/attention outputs, or recompute the whole layer from its input."""
+from the kept matmul/attention outputs, or recompute the whole layer from its input. A plan may apply a
+mode to the first share of each stage's layers only (``"selective:0.75"``,
+`pp_offload.recompute_plan.RecomputePlan`): `chunk_activation` and `layers_activation_bytes` take plans,
+`layer_activation_bytes` (one layer) a mode."""
 
 SMALL_NUMEL = 1024
 """The activation store leaves storages of at most this many elements on the device (and we do not count
@@ -159,13 +168,21 @@ class ChunkActivation:
 
 
 def check_recompute(recompute: str) -> str:
-    """``recompute`` if it names a mode of `RECOMPUTE`, else a ValueError naming the value and the modes."""
-    if recompute not in RECOMPUTE:
+    """``recompute`` as its canonical plan string (``"selective:0.75"``, ``"full"``; a share of 1 is the
+    plain mode) if it names a mode of `RECOMPUTE`, with or without a share, else a ValueError naming the
+    value and the forms (`pp_offload.recompute_plan.parse_recompute`)."""
+    return parse_recompute(recompute).label
+
+
+def layer_mode(recompute: str) -> str:
+    """The mode of one layer: a plan with a share below 1 says nothing about a single layer."""
+    plan = parse_recompute(recompute)
+    if plan.share != 1 and plan.mode != "none":
         raise ValueError(
-            f"unknown recompute mode {recompute!r}; use one of {', '.join(map(repr, RECOMPUTE))} "
-            f"('selective': recompute the elementwise ops, 'full': the whole layer)"
+            f"recompute {recompute!r} applies to a share of a stage's layers; for one layer give its mode "
+            f"({plan.mode!r} or 'none'), for a stage use chunk_activation or layers_activation_bytes"
         )
-    return recompute
+    return plan.mode
 
 
 def layer_activation_bytes(
@@ -189,7 +206,8 @@ def layer_activation_bytes(
     h, i, q = spec.hidden_size, spec.intermediate_size, spec.q_size
     lse = _big(microbatch_size * spec.num_heads * seq_len, 4)
     layer_input = a * h * n if count_input else 0
-    if check_recompute(recompute) == "full":
+    recompute = layer_mode(recompute)
+    if recompute == "full":
         return layer_input
     if recompute == "selective":
         kv = spec.kv_size
@@ -225,6 +243,28 @@ def layer_activation_bytes(
         a * i * n * ((1 if saves_input else 0) + extra + 3)
     )  # gate, activation internals, act, up, product
     return total
+
+
+def layers_activation_bytes(
+    spec: ModelSpec,
+    dtype: str | Precision,
+    *,
+    layers: int,
+    first: bool,
+    microbatch_size: int,
+    seq_len: int,
+    recompute: str = "none",
+) -> list[int]:
+    """Bytes each of a stage's ``layers`` decoder layers saves for one microbatch, first layer first, under
+    the recompute plan ``recompute`` (its mode on the first share of the layers,
+    `pp_offload.recompute_plan`): what the activation store captures per layer, so what budget offload
+    moves per layer. The stage's first layer reads its receive buffer unless the stage is the ``first``
+    (there it reads the embedding output)."""
+    kw = {"microbatch_size": microbatch_size, "seq_len": seq_len}
+    return [
+        layer_activation_bytes(spec, dtype, count_input=first or index > 0, recompute=mode, **kw)
+        for index, mode in enumerate(parse_recompute(recompute).modes(layers))
+    ]
 
 
 def layer_recompute_traffic(
@@ -272,7 +312,7 @@ def chunk_activation(
 ) -> ChunkActivation:
     """Activation memory of one stage (``layers`` decoder layers, plus the embedding when ``first`` and the
     final norm, LM head and loss when ``last``) for one microbatch. ``recompute``: activation checkpointing
-    of the decoder layers (module doc)."""
+    of the decoder layers, a mode or a plan with a share (module doc)."""
     p = precision(dtype)
     a, n, h, v = p.act_bytes, microbatch_size * seq_len, spec.hidden_size, spec.vocab_size
     saved = 0
@@ -283,11 +323,11 @@ def chunk_activation(
             saved += n * h if spec.embd_dropout > 0 else 0
     if layers:
         kw = {"microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
-        # the stage's first layer reads its receive buffer, except on the first stage (embedding output)
-        saved += layer_activation_bytes(spec, p, count_input=first, **kw)
-        saved += (layers - 1) * layer_activation_bytes(spec, p, **kw)
-        if spec.family == "llama":
-            saved += 2 * _big(n * spec.head_dim, a)  # rotary cos and sin, shared by the stage's layers
+        saved += sum(layers_activation_bytes(spec, p, layers=layers, first=first, **kw))
+        if spec.family == "llama" and parse_recompute(recompute).count(layers) < layers:
+            # rotary cos and sin, shared by the stage's layers, saved by a layer that keeps everything (a
+            # checkpointed layer takes them as inputs, which the activation store does not see)
+            saved += 2 * _big(n * spec.head_dim, a)
     if not last:
         return ChunkActivation(saved=saved, output=a * h * n)
     own_input = first or layers > 0  # else the final norm's input is the stage's input

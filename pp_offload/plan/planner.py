@@ -1,8 +1,9 @@
 """Pick a pipeline schedule, an activation-offload policy and an activation-recompute mode for a model, a
 batch shape and a machine.
 
-Every schedule (ours and torch's) is evaluated with every offload policy and every recompute mode
-(``none``, ``selective``, ``full``: `pp_offload.plan.memory.RECOMPUTE`) through the simulator
+Every schedule (ours and torch's) is evaluated with every offload policy and every recompute plan
+(``none``, ``selective``, ``full``: `pp_offload.plan.memory.RECOMPUTE`, or a mode on the first share of each
+stage's layers, ``selective:0.75``: `pp_offload.recompute_plan`; `DEFAULT_RECOMPUTE`) through the simulator
 (`pp_offload.plan.evaluate`); candidates are ranked fits-first, then by predicted step time (equal times:
 less offload first, less recompute, then lower peak memory). Offload and recompute never shorten an order,
 so the offload policies of a schedule that fits without offload, and the recompute modes of a schedule
@@ -46,11 +47,15 @@ from pp_offload.plan.machines import MACHINES, Machine, resolve_machine
 from pp_offload.plan.memory import RECOMPUTE, activation_is_modelled, check_recompute, precision
 from pp_offload.plan.model import ModelSpec, model_spec
 from pp_offload.plan.orders import SCHEDULES, canonical_schedule, resolve_search
+from pp_offload.recompute_plan import parse_recompute
 
 __all__ = ["DEFAULT_OFFLOAD", "Candidate", "PlanError", "PlanResult", "plan"]
 
 GIB = 1 << 30
 DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full", "budget", "budget:auto:0.1")
+DEFAULT_RECOMPUTE = ("none", "selective:0.5", "selective:0.75", "selective", "full")
+"""Recompute plans tried by default (`pp_offload.recompute_plan`): none, selective recompute of the first
+half and three quarters of each stage's layers, of every layer, and full recompute."""
 SINGLE_STAGE = ("Schedule1F1B", "ScheduleGPipe")
 """torch's single-stage schedules: they run on torch's older executor, which cannot take OFFLOAD/RELOAD."""
 _TIE = 1e-6
@@ -242,9 +247,10 @@ def plan(
     evaluate_dominated: also replay the offload policies of schedules that fit without offload (they cannot
         be recommended: offload never shortens an order, and ties go to no offload), to see what offload
         would save; by default they are listed as skipped, which saves most of the planning time.
-    recompute: activation recompute modes to try (default all of ``none``, ``selective``, ``full``;
-        `pp_offload.plan.memory` and `pp_offload.plan.costs` model their bytes and time). Recompute
-        candidates of a schedule that fits without offload and recompute are skipped unless
+    recompute: activation recompute plans to try (default `DEFAULT_RECOMPUTE`: ``none``, ``selective:0.5``,
+        ``selective:0.75``, ``selective``, ``full``; a mode with a share recomputes the first share of each
+        stage's layers; `pp_offload.plan.memory` and `pp_offload.plan.costs` model their bytes and time).
+        Recompute candidates of a schedule that fits without offload and recompute are skipped unless
         ``evaluate_dominated``; a recompute candidate that costs time without lowering the activation peak
         below the plain schedule is marked useless. ``PlanResult.recompute`` is the recommended mode.
     lora_rank: plan LoRA fine-tuning with adapters of this rank on every layer projection (0: all weights
@@ -412,15 +418,21 @@ def _schedule_names(schedules: Iterable[str] | None) -> list[str]:
 
 
 def _recompute_modes(recompute: Iterable[str] | str | None) -> list[str]:
-    """The recompute modes to try, ``"none"`` first (it is every recompute candidate's reference)."""
+    """The recompute plans to try, from none (every recompute candidate's reference) to the most recompute:
+    by mode, then by share of the layers."""
     if recompute is None:
-        return list(RECOMPUTE)
+        recompute = DEFAULT_RECOMPUTE
     if isinstance(recompute, str):
         recompute = [recompute]
     modes = [check_recompute(str(r).strip().lower()) for r in recompute]
     if not modes:
         raise ValueError("recompute must list at least one mode ('none', 'selective', 'full')")
-    return sorted(set(modes), key=RECOMPUTE.index)
+
+    def amount(label: str) -> tuple[int, float]:
+        plan = parse_recompute(label)
+        return RECOMPUTE.index(plan.mode), plan.share
+
+    return sorted(set(modes), key=amount)
 
 
 def _policies(offload: Iterable[Any] | None) -> list[tuple[str, Any]]:

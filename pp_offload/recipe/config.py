@@ -128,7 +128,9 @@ class TrainConfig:
             (each layer recomputed from its input, which is all it saves); ``selective`` (each layer keeps
             its matmul and attention outputs and recomputes only norms, rotary, activation functions and
             products: under half of a plain layer's saved bytes for Llama and Qwen2 (46%), 36% for
-            GPT-2, for some recompute time). Both compose with ``pipeline.offload``: what a layer keeps
+            GPT-2, for some recompute time); either on the first share of each stage's layers,
+            ``selective:0.75`` (the others keep everything: memory in steps of one layer per stage, for
+            that share of the recompute time). All compose with ``pipeline.offload``: what a layer keeps
             moves with its chunk (or layer, with a budget policy).
         seed: Seed of the weights' initialisation and of the batch order.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.

@@ -1,0 +1,89 @@
+"""Which decoder layers of a stage recompute their activations in backward, and how: one plan string shared
+by the planner, ``pp-offload plan --recompute``, the recipe's ``train.activation_checkpointing`` and the
+runtime's `pp_offload.parallel.activation_checkpointing`.
+
+A plan is a mode (``none``, ``selective``, ``full``), optionally with the share of each stage's layers it
+applies to: ``"selective:0.75"`` recomputes (selectively) the first ``ceil(0.75 x n)`` of a stage's ``n``
+decoder layers and leaves the others keeping everything. Why a share: recompute is all or nothing per layer,
+so recomputing every layer is the only other step between no recompute and the next mode; a share buys
+memory in steps of one layer per stage, at the recompute time of just those layers (e.g. Llama-3-8B on an
+H100 at seq 4096: selective recompute of every layer costs +11.5% step time; three layers of four cost
+three quarters of it). Why the earliest layers: within a chunk, the earliest layers' tensors are the last
+ones its backward frees, so they are held longest; and the budget offload policies move a chunk's earliest
+layers first, so a mixed stage offloads its smaller (recomputed) layers first, which is what the planner
+models (`pp_offload.plan.evaluate`).
+
+Pure Python: the planner imports it without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["MODES", "RecomputePlan", "parse_recompute"]
+
+MODES = ("none", "selective", "full")
+"""Per-layer modes: keep everything; keep matmul and attention outputs and recompute the elementwise ops
+(`pp_offload.runtime.recompute`); keep only the layer input and recompute the whole layer."""
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """``mode`` on the first ``share`` of every stage's decoder layers (module doc); ``share`` in (0, 1]."""
+
+    mode: str
+    share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(
+                f"unknown recompute mode {self.mode!r}; use one of {', '.join(map(repr, MODES))}"
+            )
+        if (
+            isinstance(self.share, bool)
+            or not isinstance(self.share, (int, float))
+            or not 0 < self.share <= 1
+        ):
+            raise ValueError(f"the recompute share must be a number in (0, 1], got {self.share!r}")
+
+    @property
+    def label(self) -> str:
+        """The plan as a string `parse_recompute` reads back: ``"selective"``, ``"selective:0.75"``."""
+        if self.mode == "none" or self.share == 1:
+            return self.mode
+        return f"{self.mode}:{self.share:g}"
+
+    def count(self, layers: int) -> int:
+        """How many of a stage's ``layers`` decoder layers recompute: the first ``ceil(share x layers)``
+        (0 without recompute)."""
+        if self.mode == "none" or layers <= 0:
+            return 0
+        return min(layers, math.ceil(self.share * layers - 1e-9))
+
+    def modes(self, layers: int) -> list[str]:
+        """The mode of each of a stage's ``layers`` layers, first layer first."""
+        k = self.count(layers)
+        return [self.mode] * k + ["none"] * (layers - k)
+
+
+def parse_recompute(value: str | RecomputePlan) -> RecomputePlan:
+    """``"none"``, ``"selective"``, ``"full"``, or one of the last two with a share, ``"selective:0.75"``.
+    ValueError naming the forms otherwise."""
+    if isinstance(value, RecomputePlan):
+        return value
+    text = str(value).strip().lower()
+    mode, sep, share = text.partition(":")
+    if mode not in MODES or (sep and mode == "none"):
+        raise ValueError(
+            f"unknown recompute mode {value!r}; use one of {', '.join(map(repr, MODES))}, or 'selective:S' / "
+            "'full:S' for the first share S in (0, 1] of each stage's layers ('selective': recompute the "
+            "elementwise ops, 'full': the whole layer)"
+        )
+    if not sep:
+        return RecomputePlan(mode)
+    try:
+        number = float(share)
+    except ValueError:
+        raise ValueError(f"recompute {value!r}: the share after ':' must be a number in (0, 1]") from None
+    return RecomputePlan(mode, number)
