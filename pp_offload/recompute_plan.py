@@ -23,39 +23,54 @@ from dataclasses import dataclass
 
 __all__ = ["MODES", "RecomputePlan", "parse_recompute"]
 
-MODES = ("none", "selective", "full")
-"""Per-layer modes: keep everything; keep matmul and attention outputs and recompute the elementwise ops
-(`pp_offload.runtime.recompute`); keep only the layer input and recompute the whole layer."""
+MODES = ("none", "mlp", "selective", "full")
+"""Per-layer modes, least recompute first: keep everything; selective recompute of the MLP block only (keep
+its matmul outputs, recompute its activation function and gated product: the ops that free the most bytes
+per byte of HBM traffic they cost); keep matmul and attention outputs and recompute the elementwise ops
+of the whole layer (`pp_offload.runtime.recompute`); keep only the layer input and recompute the whole
+layer."""
 
 
 @dataclass(frozen=True)
 class RecomputePlan:
-    """``mode`` on the first ``share`` of every stage's decoder layers (module doc); ``share`` in (0, 1]."""
+    """``mode`` on the first ``share`` of every stage's decoder layers (module doc), ``rest`` on the others
+    (``"selective:0.75,mlp"``: MLP-only recompute on the last quarter); ``share`` in (0, 1]."""
 
     mode: str
     share: float = 1.0
+    rest: str = "none"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(
-                f"unknown recompute mode {self.mode!r}; use one of {', '.join(map(repr, MODES))}"
-            )
+        for mode in (self.mode, self.rest):
+            if mode not in MODES:
+                raise ValueError(f"unknown recompute mode {mode!r}; use one of {', '.join(map(repr, MODES))}")
         if (
             isinstance(self.share, bool)
             or not isinstance(self.share, (int, float))
             or not 0 < self.share <= 1
         ):
             raise ValueError(f"the recompute share must be a number in (0, 1], got {self.share!r}")
+        if self.rest != "none" and (self.share == 1 or self.rest == self.mode or self.mode == "none"):
+            raise ValueError(
+                f"recompute {self.mode}:{self.share:g},{self.rest}: a mode for the other layers needs a "
+                "share below 1 and a first mode other than it and than 'none'"
+            )
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer in one mode."""
+        return self.mode == "none" or self.share == 1
 
     @property
     def label(self) -> str:
-        """The plan as a string `parse_recompute` reads back: ``"selective"``, ``"selective:0.75"``."""
-        if self.mode == "none" or self.share == 1:
+        """The plan as a string `parse_recompute` reads back: ``"selective"``, ``"selective:0.75"``,
+        ``"selective:0.75,mlp"``."""
+        if self.uniform:
             return self.mode
-        return f"{self.mode}:{self.share:g}"
+        return f"{self.mode}:{self.share:g}" + (f",{self.rest}" if self.rest != "none" else "")
 
     def count(self, layers: int) -> int:
-        """How many of a stage's ``layers`` decoder layers recompute: the first ``ceil(share x layers)``
+        """How many of a stage's ``layers`` decoder layers get ``mode``: the first ``ceil(share x layers)``
         (0 without recompute)."""
         if self.mode == "none" or layers <= 0:
             return 0
@@ -64,21 +79,26 @@ class RecomputePlan:
     def modes(self, layers: int) -> list[str]:
         """The mode of each of a stage's ``layers`` layers, first layer first."""
         k = self.count(layers)
-        return [self.mode] * k + ["none"] * (layers - k)
+        return [self.mode] * k + [self.rest] * (layers - k)
 
 
 def parse_recompute(value: str | RecomputePlan) -> RecomputePlan:
-    """``"none"``, ``"selective"``, ``"full"``, or one of the last two with a share, ``"selective:0.75"``.
+    """``"none"``, ``"mlp"``, ``"selective"``, ``"full"``, one of the last three with a share,
+    ``"selective:0.75"``, and another mode for the other layers after a comma, ``"selective:0.75,mlp"``.
     ValueError naming the forms otherwise."""
     if isinstance(value, RecomputePlan):
         return value
-    text = str(value).strip().lower()
+    text, comma, rest = str(value).strip().lower().partition(",")
+    if comma:
+        first = parse_recompute(text)
+        return RecomputePlan(first.mode, first.share, rest.strip())
     mode, sep, share = text.partition(":")
     if mode not in MODES or (sep and mode == "none"):
         raise ValueError(
-            f"unknown recompute mode {value!r}; use one of {', '.join(map(repr, MODES))}, or 'selective:S' / "
-            "'full:S' for the first share S in (0, 1] of each stage's layers ('selective': recompute the "
-            "elementwise ops, 'full': the whole layer)"
+            f"unknown recompute mode {value!r}; use one of {', '.join(map(repr, MODES))}, 'selective:S' for "
+            "the first share S in (0, 1] of each stage's layers, or 'selective:S,mlp' for another mode on "
+            "the others ('mlp': recompute the MLP's activation and product, 'selective': every elementwise "
+            "op, 'full': the whole layer)"
         )
     if not sep:
         return RecomputePlan(mode)

@@ -106,11 +106,13 @@ def dependency(stage: int, kind: str, mb: int, num_stages: int) -> tuple[int, st
 class LayeredChunk:
     """How a chunk offloads layer by layer (see the module doc): its first ``moved`` of ``layers`` layers,
     each copy one way taking ``layer_copy`` cost units (None: the chunk's one-way copy time over
-    ``layers``). ``moved = 0`` means the chunk's transfers move nothing."""
+    ``layers``; a sequence: each layer's own, first layer first, where layers save different bytes, e.g.
+    under a recompute plan on a share of the layers). ``moved = 0`` means the chunk's transfers move
+    nothing."""
 
     moved: int
     layers: int
-    layer_copy: float | None = None
+    layer_copy: float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
@@ -121,8 +123,21 @@ class LayeredChunk:
             or not 0 <= self.moved <= self.layers
         ):
             raise ValueError(f"moved must be an int in [0, layers={self.layers}], got {self.moved!r}")
-        if self.layer_copy is not None and not self.layer_copy >= 0:
-            raise ValueError(f"layer_copy must be a number >= 0 (cost units), got {self.layer_copy!r}")
+        copies = self.layer_copy
+        if isinstance(copies, (list, tuple)):
+            copies = tuple(copies)
+            object.__setattr__(self, "layer_copy", copies)
+            if len(copies) != self.layers:
+                raise ValueError(f"layer_copy has {len(copies)} entries for {self.layers} layers")
+        for c in copies if isinstance(copies, tuple) else (copies,):
+            if c is not None and not c >= 0:
+                raise ValueError(f"layer_copy must be a number >= 0 (cost units), got {self.layer_copy!r}")
+
+    def copy_time(self, layer: int, default: float) -> float:
+        """One-way copy time of ``layer`` (``default``: the chunk's copy time over its layers)."""
+        if self.layer_copy is None:
+            return default
+        return self.layer_copy[layer] if isinstance(self.layer_copy, tuple) else self.layer_copy
 
 
 @dataclass
@@ -358,13 +373,11 @@ def _simulate_with_transfers(
     f_span: dict[tuple[int, int], tuple[float, float]] = {}
     layer_transfers: dict[int, list] = {r: [] for r in ranks}
 
-    def layer_copy(spec: LayeredChunk) -> float:
-        return copy / spec.layers if spec.layer_copy is None else spec.layer_copy
-
     def issue_layered(
         r: int, action, kind: str, key: tuple[int, int], spec: LayeredChunk, now: float
     ) -> None:
-        free, c, unit = lane[r], layer_copy(spec), scale / spec.layers
+        free, unit = lane[r], scale / spec.layers
+        c = [spec.copy_time(i, copy / spec.layers) for i in range(spec.layers)]
         if spec.moved == 0:
             transfers[r].append((action, now, now))
             if kind == OFFLOAD:
@@ -385,7 +398,7 @@ def _simulate_with_transfers(
             f_start, f_end = f_span[key]
             for i in range(spec.moved):
                 start = max(f_start + (i + 1) * (f_end - f_start) / spec.layers, free[0])
-                free[0] = finish = start + c
+                free[0] = finish = start + c[i]
                 extra[r].append((finish, -unit))
                 layer_transfers[r].append((action, i, start, finish))
                 first = start if first is None else first
@@ -395,7 +408,7 @@ def _simulate_with_transfers(
             ready = [now] * spec.layers
             for i in range(spec.moved - 1, -1, -1):
                 start = max(now, free[h2d], offload_end[key])
-                free[h2d] = finish = start + c
+                free[h2d] = finish = start + c[i]
                 extra[r].append((start, unit))
                 layer_transfers[r].append((action, i, start, finish))
                 ready[i] = finish

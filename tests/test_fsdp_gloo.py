@@ -48,6 +48,12 @@ SCHEDULES = (
 OFFLOADS = (None, "full", "budget:1")  # budget: each stage moves its one decoder layer
 AC_SCHEDULES = ("ScheduleVHalf", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B")
 SELECTIVE_CELLS = (("ScheduleZBVZeroBubble", "full"), ("ScheduleVHalf", "budget:1"))  # selective recompute
+# recompute of a share of each stage's 2 layers (the first), and of the MLP blocks only
+PLAN_CELLS = (
+    ("selective:0.5", "ScheduleVZB", "budget:1"),
+    ("mlp", "ScheduleVHalf", "budget:1"),
+    ("selective:0.5,mlp", "ScheduleVZB", "budget:1"),
+)
 LR = 0.5  # large, so that a step taken with a wrong gradient or a stale parameter shows
 RTOL, ATOL = 1e-5, 1e-6  # fp32: the pipelined run sums microbatches and dp ranks in another order
 
@@ -183,8 +189,12 @@ def _run_one(
         model, num_stages=num_stages, stage_indices=stage_indices(pp_rank(mesh), PP, info.placement)
     )
     if checkpointing:
+        from pp_offload.recompute_plan import parse_recompute
+
         mode = "full" if checkpointing is True else checkpointing
-        assert activation_checkpointing(split, mode=mode) == layers // PP
+        modes = parse_recompute(mode).modes(layers // num_stages)  # per layer of a stage
+        per_stage = sum(m != "none" for m in modes)
+        assert activation_checkpointing(split, mode=mode) == len(split.stages) * per_stage
     if wrapping == "apply_fsdp":
         sharded = apply_fsdp(split, mesh, split_backward=info.split_backward, **fsdp)
     else:
@@ -263,6 +273,8 @@ def _matrix_worker(rank: int, world: int, schedules: tuple[str, ...], offloads: 
         out[("selective", name, offload)] = _run_one(
             mesh, name, offload, layers=AC_LAYERS, checkpointing="selective"
         )
+    for plan, name, offload in PLAN_CELLS:
+        out[(plan, name, offload)] = _run_one(mesh, name, offload, layers=AC_LAYERS, checkpointing=plan)
     out["bf16"] = _run_one(mesh, "ScheduleVHalf", "full", mixed_precision="bf16")
     out["sgd"] = _run_one(mesh, "ScheduleVHalf", "full", sgd_steps=2)
     out["sgd_loop"] = _run_one(mesh, "ScheduleInterleaved1F1B", None, sgd_steps=2)
@@ -358,6 +370,26 @@ def test_selective_recompute_with_offload(schedule: str, offload: str) -> None:
         assert stats.cached >= 8 * layers_per_entry, stats
         assert stats.kept["parameter"] == 0, stats
         assert stats.captured_bytes > ROWS * SEQ * LLAMA["hidden_size"] * 4, stats
+
+
+@pytest.mark.parametrize(("plan", "schedule", "offload"), PLAN_CELLS)
+def test_recompute_plans_with_budget_offload(plan: str, schedule: str, offload: str) -> None:
+    """A recompute plan on a share of the layers, and MLP-only recompute, on a real Llama under FSDP and
+    budget offload: the same loss and gradients as one process, and the moved layers hold kept outputs
+    (``mlp``: gate and up of every layer; ``selective:0.5``: q, k, v, o, gate, up and eager attention's
+    matmuls of each stage's first layer, which then holds no parameter)."""
+    results = [r[(plan, schedule, offload)] for r in _matrix()]
+    _check_run(results, f"{plan} {schedule} offload={offload}", layers=AC_LAYERS)
+    middle = [(key, stats) for r in results for key, stats in r["chunks"] if key[0] not in (0, 2 * PP - 1)]
+    assert middle
+    for _, stats in middle:  # a selectively recomputed layer saves no weight (its matmuls' are recomputed)
+        assert stats.kept["parameter"] == 0 or stats.cached < 8, stats
+    cached = {stats.cached for _, stats in middle}
+    rest = 2 if plan.endswith("mlp") else 0  # a layer past the share: its MLP's gate and up, or nothing
+    if plan == "mlp":
+        assert cached == {2}, cached
+    else:
+        assert 8 in cached and cached <= {rest, 8}, cached
 
 
 def test_optimizer_steps_and_accumulation() -> None:

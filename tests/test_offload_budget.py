@@ -55,6 +55,18 @@ def test_layered_copies_start_per_layer_and_reload_last_layer_first() -> None:
     assert result.peak_memory[0] == pytest.approx(4.0)
 
 
+def test_layered_copies_take_each_layers_own_time() -> None:
+    """Layers saving different bytes (a recompute plan on a share of them): each copy takes its own time,
+    out in forward order, back last layer first."""
+    layered = {(0, 0): LayeredChunk(moved=2, layers=4, layer_copy=(0.25, 1.0, 2.0, 2.0))}
+    result = simulate(ONE_CHUNK, Costs(), layered=layered)
+    parts = [(str(a), layer, s, e) for a, layer, s, e in result.layer_transfers[0]]
+    assert parts[:2] == [("0OFFLOAD0", 0, 0.5, 0.75), ("0OFFLOAD0", 1, 1.0, 2.0)]
+    assert parts[2:] == [("0RELOAD0", 1, 4.0, 5.0), ("0RELOAD0", 0, 5.0, 5.25)]
+    with pytest.raises(ValueError, match="3 entries for 4 layers"):
+        LayeredChunk(1, 4, layer_copy=(1.0, 1.0, 1.0))
+
+
 def test_layered_moving_nothing_is_the_plain_replay() -> None:
     plain = simulate({0: [a for a in ONE_CHUNK[0] if a.computation_type not in (OFFLOAD, RELOAD)]})
     moved_nothing = simulate(ONE_CHUNK, layered={(0, 0): LayeredChunk(0, 4)})
@@ -155,13 +167,20 @@ SCHEDULES = (
 POLICIES = ("budget:0.67", "budget")
 
 
+class _Block(nn.Module):
+    """A layer whose whole computation is its ``mlp`` submodule (what recompute mode ``mlp`` wraps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+
 def _model(d: int) -> nn.Sequential:
     torch.manual_seed(0)
-
-    def block() -> nn.Sequential:
-        return nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN))
-
-    return nn.Sequential(*[nn.Sequential(*[block() for _ in range(LAYERS)]) for _ in range(2 * d)])
+    return nn.Sequential(*[nn.Sequential(*[_Block() for _ in range(LAYERS)]) for _ in range(2 * d)])
 
 
 def _batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +193,9 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 RECOMPUTE_POLICIES = (None, "full", "budget:0.67")  # selective recompute alone and with offload
-MIXED = "selective:0.5"  # ceil(0.5 x 3): the first 2 blocks of each stage
+# recompute plans on a share of each stage's blocks, ceil(0.5 x 3): the first 2; selective on the whole
+# block, or on its mlp submodule (here the whole block too: the same bytes)
+MIXED = ("selective:0.5", "mlp:0.5", "selective:0.5,mlp")
 MIXED_POLICIES = (None, "full", "budget:1")  # budget:1 moves the plain block too
 BLOCK_BYTES = ROWS * HIDDEN * 4  # one fp32 activation of a block
 
@@ -257,11 +278,20 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
         for policy in RECOMPUTE_POLICIES:
             out[("selective", name, policy)] = _recompute_run(rank, d, m, model, name, placement, policy)
     # a recompute plan on a share of each stage's blocks: the first 2 of 3 selective, the last keeps all
-    assert activation_checkpointing(dict(enumerate(model)), layers=list, mode="none") == 0
-    assert activation_checkpointing(dict(enumerate(model)), layers=list, mode=MIXED) == 2 * d * 2
-    for name, placement in SCHEDULES:
-        for policy in MIXED_POLICIES:
-            out[("mixed", name, policy)] = _recompute_run(rank, d, m, model, name, placement, policy)
+    for plan in MIXED:
+        assert activation_checkpointing(dict(enumerate(model)), layers=list, mode="none") == 0
+        per_stage_count = 3 if plan.endswith(",mlp") else 2
+        assert (
+            activation_checkpointing(dict(enumerate(model)), layers=list, mode=plan)
+            == 2 * d * per_stage_count
+        )
+        wrapped = [("forward" in vars(b), "forward" in vars(b.mlp)) for stage in model for b in stage]
+        last = (False, plan.endswith(",mlp"))  # the third block: plain, or its mlp (then the same bytes)
+        per_stage = [(plan.startswith("selective"), plan.startswith("mlp"))] * 2 + [last]
+        assert wrapped == per_stage * len(model)
+        for name, placement in SCHEDULES:
+            for policy in MIXED_POLICIES:
+                out[(plan, name, policy)] = _recompute_run(rank, d, m, model, name, placement, policy)
     return out
 
 
@@ -301,16 +331,19 @@ def test_budget_offload_keeps_losses_and_grads() -> None:
 
 @pytest.mark.parametrize(
     ("tag", "policies", "per_layer"),
-    [("selective", RECOMPUTE_POLICIES, (1, 2, 2)), ("mixed", MIXED_POLICIES, (1, 2, 3))],
+    [("selective", RECOMPUTE_POLICIES, (1, 2, 2))]
+    + [(plan, MIXED_POLICIES, (1, 2, 2) if plan.endswith(",mlp") else (1, 2, 3)) for plan in MIXED],
 )
 def test_recompute_with_offload_keeps_losses_and_grads(tag: str, policies: tuple, per_layer: tuple) -> None:
-    """Selective recompute of every block, and of a share of them (``selective:0.5``: each stage's first
-    2 blocks, the third keeps everything), alone, with whole-chunk and with budget offload: exact, and
-    the cached Linear outputs went through the store. A selective block keeps its first Linear's output
-    (its second is the block's last op, which a recomputation never reaches, so it is not kept) and, past
-    the stage's first block, its input (the stage input stays in place); a plain block the inputs of its
-    Linear, GELU and second Linear. So a moved layer holds ``per_layer`` blocks and a whole chunk their
-    sum. Without the cache in the store a selective chunk would hold only block inputs."""
+    """Selective recompute of every block, and recompute plans on a share of them (``selective:0.5``: each
+    stage's first 2 blocks, the third keeps everything; ``mlp:0.5``: the same on the blocks' ``mlp``;
+    ``selective:0.5,mlp``: the third on its ``mlp``), alone, with whole-chunk and with budget offload:
+    exact, and the cached Linear outputs went through the store. A selective block keeps its first
+    Linear's output (its second is the block's last op, which a recomputation never reaches, so it is
+    not kept) and, past the stage's first block, its input (the stage input stays in place); a plain
+    block the inputs of its Linear, GELU and second Linear. So a moved layer holds ``per_layer`` blocks
+    and a whole chunk their sum. Without the cache in the store a selective chunk would hold only block
+    inputs."""
     d, m = 2, 4
     ref_losses, ref_grads = _reference(d, m)
     results = _run(d)

@@ -561,9 +561,9 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert "recommended:" in text and "ScheduleVHalf" in text and "fits" in text
     assert png.stat().st_size > 10_000
     data = json.loads(out.read_text())
-    # 9 schedules x 6 offload policies x 5 recompute plans (none, selective on half, three quarters and
-    # every layer, full): skipped rows listed too
-    assert data["recommended"] and len(data["candidates"]) == 9 * 6 * 5
+    # 9 schedules x 6 offload policies x 6 recompute plans (none, mlp, selective on half, three quarters
+    # and every layer, full): skipped rows listed too
+    assert data["recommended"] and len(data["candidates"]) == 9 * 6 * 6
     assert data["settings"]["pp"] == 2 and data["settings"]["gpu_memory_gib"] == 4
 
 

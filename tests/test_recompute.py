@@ -90,12 +90,17 @@ def _hf_grads(model: nn.Module, batch: dict, split: bool = False) -> list[torch.
     return [p.grad.clone() for p in params]
 
 
+@pytest.mark.parametrize("mode", ["selective", "mlp", "mlp:0.5"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_selective_recompute_keeps_hf_gradients_with_full_and_split_backward(family: str) -> None:
+def test_selective_recompute_keeps_hf_gradients_with_full_and_split_backward(family: str, mode: str) -> None:
     model, layers, batch = _tiny_hf(family)
     plain = _hf_grads(model, batch)
     plain_split = _hf_grads(model, batch, split=True)
-    assert activation_checkpointing({0: model}, layers=lambda _: layers, mode="selective") == len(layers)
+    count = len(layers) if mode != "mlp:0.5" else len(layers) // 2
+    assert activation_checkpointing({0: model}, layers=lambda _: layers, mode=mode) == count
+    if mode.startswith("mlp"):  # the MLP submodule is wrapped, the layer itself is not
+        assert all("forward" not in vars(layer) for layer in layers)
+        assert ["forward" in vars(layer.mlp) for layer in layers] == [i < count for i in range(len(layers))]
     for got, want, what in (
         (_hf_grads(model, batch), plain, "full backward"),
         # the second autograd call recomputes every layer again from the same cache (torch's own selective
@@ -234,7 +239,7 @@ def test_saved_op_list_and_modes() -> None:
         selective_checkpoint_context(["no_such_op"])
     with pytest.raises(ValueError, match="non-empty list of aten op names"):
         selective_checkpoint_context([])
-    assert CHECKPOINTING_MODES == ("full", "selective")
+    assert CHECKPOINTING_MODES == ("full", "selective", "mlp")
     assert [checkpointing_mode(v) for v in (False, None, "none", True, "full", "selective")] == [
         None,
         None,
@@ -274,6 +279,8 @@ def test_a_share_of_the_layers_wraps_the_earliest_and_unwraps_the_rest() -> None
     assert wrapped(model) == ["_selective", "_selective", None]
     assert activation_checkpointing({0: model}, layers=list, mode="full:0.34") == 2  # ceil(1.02)
     assert wrapped(model) == ["_checkpointed", "_checkpointed", None]
+    with pytest.raises(ValueError, match="has none"):  # Linear+GELU blocks have no mlp submodule
+        activation_checkpointing({0: model}, layers=list, mode="selective:0.5,mlp")
     assert activation_checkpointing({0: model}, layers=list, mode="none") == 0
     assert wrapped(model) == [None, None, None] and all("forward" not in vars(b) for b in model)
     x = torch.randn(ROWS, HIDDEN)
@@ -471,12 +478,12 @@ def test_selective_recompute_reruns_no_matmul_or_attention_in_either_backward_pa
         return {op: counts.get(op, 0) for op in MATMUL_AND_ATTENTION}
 
     counts = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "selective", "mlp", "full"):
         model, layers, batch = _tiny_hf(family)
         if mode != "none":
             activation_checkpointing({0: model}, layers=lambda _, layers=layers: layers, mode=mode)
         first, second = _split_backward_counts(model, batch)
         counts[mode] = (heavy(first), heavy(second))
     assert sum(counts["none"][1].values()) > 0  # the weight-gradient pass runs matmuls at all
-    assert counts["selective"] == counts["none"]
+    assert counts["selective"] == counts["none"] == counts["mlp"]
     assert sum(counts["full"][1].values()) > sum(counts["none"][1].values())

@@ -226,9 +226,12 @@ def test_choose_considers_recompute_options():
     assert st.saved_bytes == round(base.saved_bytes * 0.45)
     assert applied.stages[0].I == measured.stages[0].I  # torch's stage 0: one backward, at W
     options = recompute_options(LLAMA_8B, seq_len=4096)
-    assert [o.label for o in options] == ["selective:0.5", "selective:0.75", "selective", "full"]
-    assert all(o.kept_share == options[2].kept_share for o in options[:3])  # the same layer mode
-    assert 0.4 < options[2].kept_share < 0.5 and options[3].forward_share == pytest.approx(1.0)
+    assert [o.label for o in options] == ["mlp", "selective:0.5", "selective:0.75", "selective", "full"]
+    assert all(o.kept_share == options[3].kept_share for o in options[1:4])  # the same layer mode
+    assert 0.4 < options[3].kept_share < 0.5 and options[4].forward_share == pytest.approx(1.0)
+    # mlp: about 70% of the bytes stay, for a quarter of selective's recompute time
+    assert 0.65 < options[0].kept_share < 0.75
+    assert options[0].forward_share == pytest.approx(options[3].forward_share * 143360 / 565248)
     # a share: only the first ceil(share x 4) = 2 layers of each stage lose bytes and gain recompute time
     half = RecomputeOption("selective", kept_share=0.45, forward_share=0.2, share=0.5).apply(measured)
     assert half.stages[1].saved_bytes == round(base.saved_bytes - 2 * (base.saved_bytes / 4) * 0.55)
@@ -255,7 +258,12 @@ def test_recompute_plan_strings_and_layer_counts():
     assert [plan.count(n) for n in (0, 1, 2, 3, 4, 8)] == [0, 1, 2, 3, 3, 6]
     assert plan.modes(4) == ["selective"] * 3 + ["none"]
     assert parse_recompute("none").count(4) == 0
-    for bad in ("selective:0", "selective:1.5", "none:0.5", "selective:x", "partial:0.5"):
+    # another mode on the other layers
+    mixed = parse_recompute("Selective:0.5, MLP")
+    assert mixed == RecomputePlan("selective", 0.5, "mlp") and mixed.label == "selective:0.5,mlp"
+    assert mixed.modes(3) == ["selective", "selective", "mlp"] and not mixed.uniform
+    bad_plans = ("selective:1,mlp", "mlp:0.5,mlp", "selective:0.5,partial", "none,mlp")
+    for bad in ("selective:0", "selective:1.5", "none:0.5", "selective:x", "partial:0.5", *bad_plans):
         with pytest.raises(ValueError):
             parse_recompute(bad)
 
@@ -308,7 +316,20 @@ TINY_SEQ = 96  # every activation above the store's 1024-element floor except rs
 
 
 @pytest.mark.parametrize(
-    "plan", ["none", "selective:0.25", "selective:0.5", "selective:0.75", "selective", "full:0.5", "full"]
+    "plan",
+    [
+        "none",
+        "selective:0.25",
+        "selective:0.5",
+        "selective:0.75",
+        "selective",
+        "full:0.5",
+        "full",
+        "mlp",
+        "mlp:0.5",
+        "selective:0.5,mlp",
+        "full:0.25,selective",
+    ],
 )
 def test_planner_bytes_of_a_mixed_plan_equal_what_the_store_captures(plan):
     """A middle stage (the first layer reads the receive buffer) under a recompute plan on a share of its
@@ -326,10 +347,11 @@ def test_planner_bytes_of_a_mixed_plan_equal_what_the_store_captures(plan):
     rotary = 2 * 2 * TINY_SEQ * spec.head_dim
     entries = _stage_capture(plan, per_layer=True)
     modes = parse_recompute(plan).modes(4)
-    got = [entries[i] - (rotary if mode == "none" else 0) for i, mode in enumerate(modes)]
+    got = [entries[i] - (rotary if mode in ("none", "mlp") else 0) for i, mode in enumerate(modes)]
     assert got == layers_activation_bytes(spec, "bf16", layers=4, first=False, **kw)
-    if plan not in ("none", "selective", "full"):  # mixed: the recomputed layers are the earliest
-        assert modes[0] != "none" and modes[-1] == "none"
+    if ":" in plan:  # a share: the recomputed layers are the earliest
+        plan_ = parse_recompute(plan)
+        assert modes[0] == plan_.mode and modes[-1] == plan_.rest
 
 
 def test_planner_orders_recompute_shares_between_none_and_every_layer():
@@ -350,4 +372,40 @@ def test_planner_orders_recompute_shares_between_none_and_every_layer():
         _plan(gpu_memory_gib=8.0, recompute=["selective:2"])
     from pp_offload.plan.planner import DEFAULT_RECOMPUTE
 
-    assert "selective:0.75" in DEFAULT_RECOMPUTE
+    assert "selective:0.75,mlp" in DEFAULT_RECOMPUTE
+
+
+QWEN3 = {  # q/k norms: a group of their own inside the norms
+    "model_type": "qwen3",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 64,
+}
+
+
+@pytest.mark.parametrize("config", [LLAMA_8B, SMALL_LLAMA, QWEN3])
+def test_recompute_groups_add_up_to_selective_and_rank_the_mlp_first(config):
+    """The per-group split of selective recompute is the planner's own model: freed bytes add up to a
+    plain layer minus a selective one, traffic to the selective traffic; the MLP group (what mode ``mlp``
+    recomputes) frees the most per byte of traffic, rotary frees nothing; ``mlp`` keeps exactly a plain
+    layer minus the MLP group and costs the MLP group's traffic."""
+    from pp_offload.plan.recompute_groups import recompute_groups
+
+    spec = model_spec(config)
+    for dtype in ("bf16", "fp32"):
+        kw = {"microbatch_size": 2, "seq_len": 1024}
+        groups = recompute_groups(spec, dtype, **kw)
+        plain = layer_activation_bytes(spec, dtype, **kw)
+        selective = layer_activation_bytes(spec, dtype, recompute="selective", **kw)
+        assert sum(g.freed for g in groups) == plain - selective
+        assert sum(g.traffic for g in groups) == layer_recompute_traffic(spec, dtype, **kw)
+        mlp, norms, rotary = groups
+        assert mlp.freed_per_traffic > norms.freed_per_traffic > rotary.freed_per_traffic == 0
+        assert layer_activation_bytes(spec, dtype, recompute="mlp", **kw) == plain - mlp.freed
+        assert layer_recompute_traffic(spec, dtype, mode="mlp", **kw) == mlp.traffic
+    with pytest.raises(ValueError, match="Llama-family"):
+        gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 64}
+        recompute_groups(model_spec(gpt2), "bf16", **kw)

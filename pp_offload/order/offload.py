@@ -421,7 +421,8 @@ def plan_offload(
 
     Budget mode (layer by layer, module doc) needs ``layers``: the number of layers of every stage (one
     int for all, or per stage index); ``layer_copy``: one layer's one-way copy time in cost units (one
-    number or per stage; default: the chunk's ``costs.transfer`` share of one layer); ``peaks``: the
+    number or per stage, a stage's entry possibly one per layer where its layers differ, which the replay
+    then times each; default: the chunk's ``costs.transfer`` share of one layer); ``peaks``: the
     per-rank peak the budget lowers, from a replay and its layered chunks (the planner passes the peak
     in bytes, with each stage's real bytes; default: the simulator's chunk units, in which every chunk
     weighs the same). Whole-chunk modes ignore all three, so a caller can pass them whatever the policy.
@@ -496,7 +497,9 @@ def _per_stage(value: Any, num_stages: int, name: str, *, integer: bool) -> list
         if len(values) < num_stages:
             raise ValueError(f"{name} has {len(values)} entries but the order has {num_stages} stages")
     for v in values:
-        ok = _is_count(v) if integer else (_is_real(v) and v >= 0 and not math.isinf(v))
+        # a float entry may be a sequence: one per layer of the stage (layers that save different bytes)
+        parts = v if (not integer and isinstance(v, (list, tuple))) else [v]
+        ok = all(_is_count(x) if integer else (_is_real(x) and x >= 0 and not math.isinf(x)) for x in parts)
         if not ok:
             what = "an int >= 0 (layers of the stage)" if integer else "a finite number >= 0 (cost units)"
             raise ValueError(f"every {name} entry must be {what}, got {v!r}")
@@ -528,6 +531,8 @@ def _plan_budget(
                 continue
             c.layers = n
             c.layer_copy = copies[c.key[0]] if copies is not None else costs.transfer * scale / n
+            if isinstance(c.layer_copy, (list, tuple)):  # per layer: exact in the replay, the first for
+                c.layer_copies, c.layer_copy = tuple(c.layer_copy), c.layer_copy[0]  # the placement
             _, b_start, b_end = timeline[c.back_index]
             c.back_duration = b_end - b_start
             c.fit = _layers_that_fit(c, c.back_start, policy.reload_margin)
@@ -553,7 +558,7 @@ def _plan_budget(
                         c.moved = max(0, min(c.layers, c.moved + extra.get((c.key[0], c.key[1] % 2), 0)))
                 if c.moved == 0:
                     continue
-                moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copy)
+                moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copies or c.layer_copy)
                 c.slot = _layered_slot(c, base.timeline[rank], policy)
                 c.w_slot = _w_slot(c, base.timeline[rank], policy.reload_margin) if drop_after_i else -1
                 reloads[rank][c.key] = c
@@ -817,6 +822,7 @@ class _Chunk:
     # budget mode: the stage's layers, one layer's copy time, the backward's duration, layers moved
     layers: int = 0
     layer_copy: float = 0.0
+    layer_copies: tuple[float, ...] | None = None  # per layer, when they differ (the replay uses them)
     back_duration: float = 0.0
     fit: int = 0
     moved: int = 0

@@ -75,7 +75,8 @@ class OffloadInputs:
     costs: the per-chunk costs plans are simulated with, with each stage's own F/I/W (``Costs.stages``) and
         ``transfer`` (one chunk unit's copy time one way), in any unit shared with ``layer_copy``.
     layers: decoder layers of every stage (index = stage); the runtime checks its own stages hold these.
-    layer_copy: one moved layer's one-way copy time per stage, in the unit of ``costs``.
+    layer_copy: one moved layer's one-way copy time per stage, in the unit of ``costs``; a stage's entry may
+        be one per layer (its layers save different bytes: a recompute plan on a share of them).
     stage_bytes: every stage's bytes (`StageBytes`); budget offload then lowers the per-rank peak in bytes
         (`activation_peaks`), as the planner reports it. ``None``: the simulator's chunk units (every chunk
         weighs the same).
@@ -83,13 +84,20 @@ class OffloadInputs:
 
     costs: Costs
     layers: tuple[int, ...]
-    layer_copy: tuple[float, ...]
+    layer_copy: tuple[float | tuple[float, ...], ...]
     stage_bytes: tuple[StageBytes, ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "costs", Costs.coerce(self.costs))
         object.__setattr__(self, "layers", tuple(self.layers))
-        object.__setattr__(self, "layer_copy", tuple(float(c) for c in self.layer_copy))
+        object.__setattr__(
+            self,
+            "layer_copy",
+            tuple(
+                tuple(float(x) for x in c) if isinstance(c, (list, tuple)) else float(c)
+                for c in self.layer_copy
+            ),
+        )
         n = len(self.layers)
         if n == 0:
             raise ValueError("OffloadInputs.layers is empty; give the layer count of every stage")
@@ -98,8 +106,16 @@ class OffloadInputs:
                 raise ValueError(f"OffloadInputs.layers[{s}] must be an int >= 0, got {count!r}")
         if len(self.layer_copy) != n:
             raise ValueError(f"OffloadInputs.layer_copy has {len(self.layer_copy)} entries for {n} stages")
-        if any(not c >= 0 or math.isinf(c) for c in self.layer_copy):
-            raise ValueError(f"OffloadInputs.layer_copy entries must be finite and >= 0: {self.layer_copy}")
+        for s, c in enumerate(self.layer_copy):
+            parts = c if isinstance(c, tuple) else (c,)
+            if any(not x >= 0 or math.isinf(x) for x in parts):
+                raise ValueError(
+                    f"OffloadInputs.layer_copy entries must be finite and >= 0: {self.layer_copy}"
+                )
+            if isinstance(c, tuple) and len(c) != self.layers[s]:
+                raise ValueError(
+                    f"OffloadInputs.layer_copy[{s}] has {len(c)} entries for {self.layers[s]} layers"
+                )
         if self.costs.stages is not None and len(self.costs.stages) != n:
             raise ValueError(f"OffloadInputs.costs has {len(self.costs.stages)} stage entries for {n} stages")
         if self.stage_bytes is not None:
@@ -133,7 +149,7 @@ class OffloadInputs:
         return {
             "costs": costs,
             "layers": list(self.layers),
-            "layer_copy": list(self.layer_copy),
+            "layer_copy": [list(c) if isinstance(c, tuple) else c for c in self.layer_copy],
             "stage_bytes": None
             if self.stage_bytes is None
             else [

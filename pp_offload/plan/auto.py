@@ -268,7 +268,7 @@ def choose(
 class RecomputeOption:
     """What recomputing decoder layers in backward changes in a measured stage.
 
-    mode: ``"selective"`` or ``"full"`` (`pp_offload.plan.memory.RECOMPUTE`).
+    mode: ``"mlp"``, ``"selective"`` or ``"full"`` (`pp_offload.plan.memory.RECOMPUTE`).
     share: the share of each stage's layers recomputed, earliest first (`pp_offload.recompute_plan`); 1: all.
     kept_share: share of one layer's saved bytes that stays saved (in (0, 1]).
     forward_share: time one backward pass (I or W) spends recomputing one layer, as a share of the layer's
@@ -285,8 +285,8 @@ class RecomputeOption:
     share: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("selective", "full"):
-            raise ValueError(f"RecomputeOption.mode must be 'selective' or 'full', got {self.mode!r}")
+        if self.mode not in ("mlp", "selective", "full"):
+            raise ValueError(f"RecomputeOption.mode must be 'mlp', 'selective' or 'full', got {self.mode!r}")
         RecomputePlan(self.mode, self.share)  # checks the share
         if not 0 < self.kept_share <= 1:
             raise ValueError(f"RecomputeOption.kept_share must be in (0, 1], got {self.kept_share!r}")
@@ -341,7 +341,7 @@ def recompute_options(
     microbatch_size: int = 1,
     machine: Any = "H100",
     dtype: str = "bf16",
-    modes: Sequence[str] = ("selective:0.5", "selective:0.75", "selective", "full"),
+    modes: Sequence[str] = ("mlp", "selective:0.5", "selective:0.75", "selective", "full"),
 ) -> list[RecomputeOption]:
     """The planner's recompute model (`pp_offload.plan.memory`, `pp_offload.plan.costs`) as options for
     `choose`: per plan (a mode, or a mode on a share of each stage's layers: `pp_offload.recompute_plan`),
@@ -362,6 +362,8 @@ def recompute_options(
         plan = parse_recompute(label)
         if plan.mode == "none":
             continue
+        if plan.rest != "none":
+            raise ValueError(f"recompute options take one mode per plan ({label!r} has two)")
         kept = layer_activation_bytes(spec, dtype, recompute=plan.mode, **kw) / plain
         share = recompute_seconds(spec, mach, dtype, recompute=plan.mode, **kw) / forward
         out.append(RecomputeOption(plan.mode, kept, share, plan.share))

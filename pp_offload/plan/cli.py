@@ -157,9 +157,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="PLAN",
-        help="activation recompute of the decoder layers to try: none, selective, full, or a mode on the "
-        "first share of each stage's layers, e.g. selective:0.75 (default: none selective:0.5 "
-        "selective:0.75 selective full)",
+        help="activation recompute of the decoder layers to try: none, mlp (the MLP's activation and "
+        "product only), selective, full, a mode on the first share of each stage's layers, e.g. "
+        "selective:0.75, and another on the rest, selective:0.75,mlp (default: none mlp "
+        "selective:0.5,mlp selective:0.75,mlp selective full)",
     )
     p.add_argument(
         "--search",

@@ -120,9 +120,10 @@ def stage_times(
     if last:
         per_token = per_token + head_flops(spec)
     times = per_token.scaled(microbatch_size * seq_len / machine.flops_for(p.name))
-    plan = parse_recompute(recompute)
-    extra = plan.count(layers) * recompute_seconds(
-        spec, machine, p, microbatch_size=microbatch_size, seq_len=seq_len, recompute=plan.mode
+    kw = {"microbatch_size": microbatch_size, "seq_len": seq_len}
+    extra = sum(
+        recompute_seconds(spec, machine, p, recompute=mode, **kw)
+        for mode in parse_recompute(recompute).modes(layers)
     )
     return PassTimes(times.F, times.I + extra, times.W + extra)
 
@@ -142,8 +143,10 @@ def recompute_seconds(
     recompute = layer_mode(recompute)
     if recompute == "none":
         return 0.0
-    if recompute == "selective":
-        traffic = layer_recompute_traffic(spec, p, microbatch_size=microbatch_size, seq_len=seq_len)
+    if recompute in ("selective", "mlp"):
+        traffic = layer_recompute_traffic(
+            spec, p, microbatch_size=microbatch_size, seq_len=seq_len, mode=recompute
+        )
         return traffic / machine.hbm_bandwidth
     return layer_flops(spec, seq_len=seq_len).F * microbatch_size * seq_len / machine.flops_for(p.name)
 

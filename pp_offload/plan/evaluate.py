@@ -110,12 +110,6 @@ class Setup:
     """Per stage, each decoder layer's saved bytes per microbatch, first layer first
     (`pp_offload.plan.memory.layers_activation_bytes`): what a moved layer carries."""
 
-    def longer_copies(self, stage: int, moved: int) -> int:
-        """How many of the first ``moved`` layers of ``stage`` carry more than the copy size their copies are
-        timed with (`PolicyResult.longer_copies`)."""
-        size = self.stage_layer_bytes(stage)
-        return sum(1 for b in (self.layers_bytes[stage] if self.layers_bytes else [])[:moved] if b > size)
-
     def moved_layer_bytes(self, stage: int, moved: int) -> int:
         """Bytes the first ``moved`` layers of ``stage`` carry (budget offload moves the earliest first)."""
         if not self.layers_bytes:
@@ -131,6 +125,15 @@ class Setup:
             return self.layer_bytes
         return min(self.layer_bytes, st.activation.saved // st.layers)
 
+    def _layer_copy(self, stage: int, unit: float) -> float | tuple[float, ...]:
+        """One moved layer's copy time on ``stage`` (``unit``: seconds per byte), one per layer where the
+        stage's layers save different bytes (a recompute plan on a share of them), so the replay times
+        each copy with its own bytes."""
+        sizes = self.layers_bytes[stage] if self.layers_bytes else []
+        if len(set(sizes)) > 1:
+            return tuple(unit * b for b in sizes)
+        return unit * self.stage_layer_bytes(stage)
+
     def offload_inputs(self) -> OffloadInputs:
         """The figures offload is placed with on this setup (`pp_offload.order.offload_inputs`): the costs
         with each stage's pass times, layers per stage, one layer's copy time per stage (in proportion to
@@ -141,7 +144,7 @@ class Setup:
         return OffloadInputs(
             costs=self.costs,
             layers=tuple(self.layers),
-            layer_copy=tuple(unit * self.stage_layer_bytes(s) for s in range(n)),
+            layer_copy=tuple(self._layer_copy(s, unit) for s in range(n)),
             stage_bytes=tuple(
                 StageBytes(
                     saved=int(st.activation.saved),
@@ -364,10 +367,6 @@ class PolicyResult:
     moved_layers_per_rank: list[int] = field(default_factory=list)  # budget: layer copies out per rank
     moved_bytes: int = 0  # bytes copied out (and back) over the step
     saved_bytes: int = 0  # bytes all chunks of the step save
-    longer_copies: int = 0
-    """Moved layers bigger than the copy size their copy is timed with (`Setup.stage_layer_bytes`): under a
-    recompute plan on a share of the layers, the layers past the share, moved once a budget moves more
-    than the share. Their copies are timed as too short; 0 means the plan's timing is exact."""
 
 
 @dataclass
@@ -441,10 +440,8 @@ def evaluate_orders(
             for (stage, kind, _), _, _ in tl
             if kind == F
         )
-        longer = 0
         if layered:
             moved = sum(setup.moved_layer_bytes(key[0], c.moved) for key, c in layered.items())
-            longer = sum(setup.longer_copies(key[0], c.moved) for key, c in layered.items())
         elif resolved.enabled:
             moved = sum(
                 setup.stages[s].activation.saved for r in planned.offloaded for s, _ in planned.offloaded[r]
@@ -470,7 +467,6 @@ def evaluate_orders(
                 else [],
                 moved_bytes=moved,
                 saved_bytes=saved,
-                longer_copies=longer,
             )
         )
     return results
@@ -517,7 +513,6 @@ def combine(results: list[PolicyResult], num_microbatches: int) -> dict[str, Any
         "reload_wait": last.reload_wait,
         "offloaded_share": last.offloaded / last.chunks if last.chunks else 0.0,
         "moved_share": last.moved_bytes / last.saved_bytes if last.saved_bytes else 0.0,
-        "longer_copies": max(r.longer_copies for r in results),
         "extrapolated": len(results) > 1,
     }
 

@@ -33,7 +33,10 @@ Activation checkpointing (``recompute``, `RECOMPUTE`), per decoder layer:
   Dropout masks are not kept (the recompute replays the RNG state).
 - ``"full"``: only the layer input (a*h), which on a stage's first layer is the receive buffer (0).
   The stage's final norm is counted as without recompute in every mode, its rotary cos/sin only while at
-  least one of its layers keeps everything (checkpointed layers get them as inputs, outside the store).
+  least one of its layers runs its attention uncheckpointed (checkpointed layers get them as inputs,
+  outside the store).
+- ``"mlp"``: ``"selective"`` on the layer's MLP block only (`mlp_recompute_freed`; the ops that free the
+  most bytes per byte of recompute traffic: `pp_offload.plan.recompute_groups`).
 - A mode on a share of a stage's layers (``"selective:0.75"``, `pp_offload.recompute_plan`): the first
   ``ceil(share x layers)`` layers in that mode, the others as without recompute (`layers_activation_bytes`).
 Embedding stage: the token ids (int64) and the embedding output (saved by the first norm).
@@ -74,6 +77,7 @@ __all__ = [
     "layer_activation_bytes",
     "layer_mode",
     "layers_activation_bytes",
+    "mlp_recompute_freed",
     "layer_params",
     "layer_recompute_traffic",
     "precision",
@@ -177,7 +181,7 @@ def check_recompute(recompute: str) -> str:
 def layer_mode(recompute: str) -> str:
     """The mode of one layer: a plan with a share below 1 says nothing about a single layer."""
     plan = parse_recompute(recompute)
-    if plan.share != 1 and plan.mode != "none":
+    if not plan.uniform:
         raise ValueError(
             f"recompute {recompute!r} applies to a share of a stage's layers; for one layer give its mode "
             f"({plan.mode!r} or 'none'), for a stage use chunk_activation or layers_activation_bytes"
@@ -209,6 +213,11 @@ def layer_activation_bytes(
     recompute = layer_mode(recompute)
     if recompute == "full":
         return layer_input
+    if recompute == "mlp":
+        plain = layer_activation_bytes(
+            spec, p, microbatch_size=microbatch_size, seq_len=seq_len, count_input=count_input
+        )
+        return plain - mlp_recompute_freed(spec, p, microbatch_size=microbatch_size, seq_len=seq_len)
     if recompute == "selective":
         kv = spec.kv_size
         if spec.family == "gpt2":  # fused QKV output, attention output, c_proj output, c_fc output
@@ -267,10 +276,29 @@ def layers_activation_bytes(
     ]
 
 
-def layer_recompute_traffic(
+def mlp_recompute_freed(
     spec: ModelSpec, dtype: str | Precision, *, microbatch_size: int, seq_len: int
 ) -> int:
-    """HBM bytes read + written by one selective recompute of one decoder layer for one microbatch.
+    """Bytes one layer stops saving under ``"mlp"`` recompute (selective recompute of the MLP block only:
+    its matmul outputs kept, its activation function and gated product recomputed): Llama's MLP saves
+    gate, the activation's internals, act, up and the product, and keeps gate and up; GPT-2's saves
+    c_fc's output, gelu_new's internals and c_proj's input, and keeps c_fc's output. A dropout after the
+    MLP's last matmul would make the recomputation re-run it: not modelled (ValueError)."""
+    p = precision(dtype)
+    n, i = microbatch_size * seq_len, spec.intermediate_size
+    saves_input, extra = _ACTIVATIONS.get(spec.hidden_act, (True, 0))
+    if spec.family == "gpt2":
+        if spec.resid_dropout > 0:
+            raise ValueError("'mlp' recompute of a GPT-2 layer with residual dropout is not modelled")
+        return p.act_bytes * i * n * ((1 if saves_input else 0) + extra)
+    return p.act_bytes * i * n * ((1 if saves_input else 0) + extra + 1)
+
+
+def layer_recompute_traffic(
+    spec: ModelSpec, dtype: str | Precision, *, microbatch_size: int, seq_len: int, mode: str = "selective"
+) -> int:
+    """HBM bytes read + written by one selective recompute of one decoder layer for one microbatch
+    (``mode="mlp"``: of its MLP block only, the activation function and the gated product).
 
     Why bytes: the recomputed ops are elementwise (norms, rotary, residual sum, activation, gated product),
     memory-bound on a GPU, so their time is traffic over HBM bandwidth, not FLOPs. Counted op by op as
@@ -287,7 +315,9 @@ def layer_recompute_traffic(
     h, i = spec.hidden_size, spec.intermediate_size
     if spec.family == "gpt2":
         act = 16 * a * i if spec.hidden_act == "gelu_new" else 2 * a * i
-        return n * (2 * (2 * a * h + 8) + 3 * a * h + act)
+        return n * (act if mode == "mlp" else 2 * (2 * a * h + 8) + 3 * a * h + act)
+    if mode == "mlp":
+        return n * 5 * a * i
     casts = 0 if a == 4 else 2 * (a + 4)
 
     def norm(width: int) -> int:
@@ -324,9 +354,10 @@ def chunk_activation(
     if layers:
         kw = {"microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
         saved += sum(layers_activation_bytes(spec, p, layers=layers, first=first, **kw))
-        if spec.family == "llama" and parse_recompute(recompute).count(layers) < layers:
-            # rotary cos and sin, shared by the stage's layers, saved by a layer that keeps everything (a
-            # checkpointed layer takes them as inputs, which the activation store does not see)
+        if spec.family == "llama" and {"none", "mlp"} & set(parse_recompute(recompute).modes(layers)):
+            # rotary cos and sin, shared by the stage's layers, saved by a layer whose attention is not
+            # checkpointed (a checkpointed layer takes them as inputs, which the activation store does not
+            # see)
             saved += 2 * _big(n * spec.head_dim, a)
     if not last:
         return ChunkActivation(saved=saved, output=a * h * n)

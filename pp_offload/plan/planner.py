@@ -53,9 +53,10 @@ __all__ = ["DEFAULT_OFFLOAD", "Candidate", "PlanError", "PlanResult", "plan"]
 
 GIB = 1 << 30
 DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full", "budget", "budget:auto:0.1")
-DEFAULT_RECOMPUTE = ("none", "selective:0.5", "selective:0.75", "selective", "full")
-"""Recompute plans tried by default (`pp_offload.recompute_plan`): none, selective recompute of the first
-half and three quarters of each stage's layers, of every layer, and full recompute."""
+DEFAULT_RECOMPUTE = ("none", "mlp", "selective:0.5,mlp", "selective:0.75,mlp", "selective", "full")
+"""Recompute plans tried by default (`pp_offload.recompute_plan`): none; the MLP blocks' activation and
+product of every layer; selective recompute of the first half and three quarters of each stage's layers
+with the MLP-only recompute on the others; selective of every layer; full."""
 SINGLE_STAGE = ("Schedule1F1B", "ScheduleGPipe")
 """torch's single-stage schedules: they run on torch's older executor, which cannot take OFFLOAD/RELOAD."""
 _TIE = 1e-6
@@ -247,9 +248,10 @@ def plan(
     evaluate_dominated: also replay the offload policies of schedules that fit without offload (they cannot
         be recommended: offload never shortens an order, and ties go to no offload), to see what offload
         would save; by default they are listed as skipped, which saves most of the planning time.
-    recompute: activation recompute plans to try (default `DEFAULT_RECOMPUTE`: ``none``, ``selective:0.5``,
-        ``selective:0.75``, ``selective``, ``full``; a mode with a share recomputes the first share of each
-        stage's layers; `pp_offload.plan.memory` and `pp_offload.plan.costs` model their bytes and time).
+    recompute: activation recompute plans to try (default `DEFAULT_RECOMPUTE`: ``none``, ``mlp``,
+        ``selective:0.5,mlp``, ``selective:0.75,mlp``, ``selective``, ``full``; a mode with a share
+        recomputes the first share of each stage's layers, a second mode after a comma the others;
+        `pp_offload.plan.memory` and `pp_offload.plan.costs` model their bytes and time).
         Recompute candidates of a schedule that fits without offload and recompute are skipped unless
         ``evaluate_dominated``; a recompute candidate that costs time without lowering the activation peak
         below the plain schedule is marked useless. ``PlanResult.recompute`` is the recommended mode.
@@ -428,9 +430,9 @@ def _recompute_modes(recompute: Iterable[str] | str | None) -> list[str]:
     if not modes:
         raise ValueError("recompute must list at least one mode ('none', 'selective', 'full')")
 
-    def amount(label: str) -> tuple[int, float]:
+    def amount(label: str) -> tuple[int, float, int]:
         plan = parse_recompute(label)
-        return RECOMPUTE.index(plan.mode), plan.share
+        return RECOMPUTE.index(plan.mode), plan.share, RECOMPUTE.index(plan.rest)
 
     return sorted(set(modes), key=amount)
 
