@@ -65,6 +65,20 @@ VARIANTS = {"budget:no-IW-drop": {"mode": "budget", "drop_after_i": False}}
 TARGETS = ((0.03, 0.30), (0.10, 0.50))  # (max slowdown, min peak cut)
 # with recompute: none, then budget offload within what the recompute leaves of 3% and of 10%
 RECOMPUTE_POLICIES = ("budget@0.03", "budget@0.1")
+OLD_RECOMPUTE = ("none", "selective", "full")  # before recompute plans on a share and MLP-only recompute
+# H100 rows: every layer's MLP only, selective on a share of each stage's layers (earliest first), alone
+# and with the MLP-only recompute on the other layers, every layer, full (pp_offload.recompute_plan)
+H100_RECOMPUTE = (
+    "mlp",
+    "selective:0.25",
+    "selective:0.5",
+    "selective:0.75",
+    "selective:0.25,mlp",
+    "selective:0.5,mlp",
+    "selective:0.75,mlp",
+    "selective",
+    "full",
+)
 BASE_STEP: dict[tuple, float] = {}  # (machine, seq, pp, schedule) -> step without recompute or offload
 MACHINES_8B = ("H100", "GH200", "A100")
 BUDGETS = ("budget", "budget:auto:0.1")  # the GH200/A100 rows (with budget:1)
@@ -172,30 +186,62 @@ def best_within(rows: list[dict], slowdown: float) -> dict:
 
 
 def _group(config, *, machine, seq, pp, m, schedule, policies, recompute=None) -> list[dict]:
-    """Every recompute mode of one schedule: without recompute under ``policies``, with selective and full
-    recompute alone and with budget offload within what they leave of 3% and 10% (``recompute``: mode ->
-    policies, to run fewer)."""
+    """Every recompute plan of one schedule: without recompute under ``policies``, with each plan of
+    ``recompute`` (default: selective and full) alone and with budget offload within what it leaves of 3%
+    and 10% (``recompute``: plan -> policies)."""
     from pp_offload.plan.machines import resolve_machine
 
     kw = {"machine": machine, "seq": seq, "pp": pp, "m": m, "schedule": schedule}
     rows = evaluate(config, **kw, policies=policies)
-    for mode, more in (recompute or {"selective": RECOMPUTE_POLICIES, "full": RECOMPUTE_POLICIES}).items():
+    default = {"selective": RECOMPUTE_POLICIES, "full": RECOMPUTE_POLICIES}
+    for mode, more in (recompute or default).items():
         rows += evaluate(config, **kw, policies=more, recompute=mode)
     for row in rows:
         row.update(machine=machine, seq=seq, pp=pp)
     return finish(rows, resolve_machine(machine).host_bandwidth)
 
 
+def recompute_group_rows(seq: int = 4096) -> list[dict]:
+    """Per group of ops selective recompute re-runs in a Llama-3-8B layer (bf16): bytes it frees and HBM
+    traffic it costs, per token per hidden unit (`pp_offload.plan.recompute_groups`)."""
+    from pp_offload.plan.model import model_spec
+    from pp_offload.plan.recompute_groups import recompute_groups
+
+    spec = model_spec(LLAMA_8B)
+    unit = seq * spec.hidden_size
+    groups = recompute_groups(spec, "bf16", microbatch_size=1, seq_len=seq)
+    freed, traffic = sum(g.freed for g in groups), sum(g.traffic for g in groups)
+    return [
+        {
+            "group": g.name,
+            "freed_per_token_hidden": g.freed / unit,
+            "traffic_per_token_hidden": g.traffic / unit,
+            "freed_per_traffic": g.freed_per_traffic,
+            "share_of_selective_bytes": g.freed / freed,
+            "share_of_selective_time": g.traffic / traffic,
+        }
+        for g in groups
+    ]
+
+
 def run(quick: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"part_a": [], "part_b": []}
+    out: dict[str, Any] = {"part_a": [], "part_b": [], "groups": recompute_group_rows()}
     seqs = (4096,) if quick else (4096, 16384)
     for machine in ("H100",) if quick else MACHINES_8B:
         # the H100 rows with every offload policy; the other machines with the budget ones
         policies = OLD + NEW if machine == "H100" else (*BUDGETS, "budget:1")
+        plans = H100_RECOMPUTE if machine == "H100" else ("selective", "full")
         for seq in seqs:
             for schedule in SCHEDULES:
                 out["part_a"] += _group(
-                    LLAMA_8B, machine=machine, seq=seq, pp=4, m=16, schedule=schedule, policies=policies
+                    LLAMA_8B,
+                    machine=machine,
+                    seq=seq,
+                    pp=4,
+                    m=16,
+                    schedule=schedule,
+                    policies=policies,
+                    recompute=dict.fromkeys(plans, RECOMPUTE_POLICIES),
                 )
                 print(f"  8B {machine} seq {seq} {SHORT[schedule]}: done", file=sys.stderr)
     for pp in (4, 8) if quick else (4, 8, 16):
@@ -220,14 +266,14 @@ def _name(r: dict) -> str:
     """A row's policy as one label: offload policy, with the recompute mode when there is one."""
     if r["recompute"] == "none":
         return r["policy"]
-    rc = {"selective": "sel", "full": "full"}[r["recompute"]]
+    rc = r["recompute"].replace("selective", "sel")
     return f"{rc}-recompute" if r["policy"] == "none" else f"{rc}+{r['policy']}"
 
 
 def _row_text(r: dict) -> str:
     need = " ".join(f"{k}:{v:.2f}" for k, v in r["need_ratio"].items())
     return (
-        f"{_name(r):<22}{r['activation_gib']:>8.1f}{100 * r['cut']:>7.1f}%{1e3 * r['step_s']:>9.0f}"
+        f"{_name(r):<26}{r['activation_gib']:>8.1f}{100 * r['cut']:>7.1f}%{1e3 * r['step_s']:>9.0f}"
         f"{100 * r['slowdown']:>+8.1f}%{100 * r['moved_share']:>8.1f}%{r['link_capacity_gib']:>9.1f}"
         f"{r['rank_saved_gib']:>10.1f}  {need}"
     )
@@ -240,6 +286,12 @@ def _verdicts(rows: list[dict]) -> list[tuple[float, float, dict, bool]]:
         best = best_within(rows, slowdown)
         out.append((slowdown, cut, best, best["cut"] >= cut - 1e-9))
     return out
+
+
+def cut_room(rows: list[dict], best: dict, alone: dict) -> float:
+    """Step-time points the target leaves to offload after ``alone`` (the recompute without offload)."""
+    limit = next(slowdown for slowdown, _ in TARGETS if best["slowdown"] <= slowdown + 1e-9)
+    return max(0.0, limit - alone["slowdown"])
 
 
 def _bound_text(rows: list[dict], best: dict, cut: float) -> str:
@@ -256,6 +308,17 @@ def _bound_text(rows: list[dict], best: dict, cut: float) -> str:
         f"the link carries {plain['link_capacity_gib']:.1f} GiB per direction in the step (need/cap "
         f"{plain['need_ratio'][key]:.2f})"
     )
+    if best["recompute"] != "none":  # what the recompute left to offload
+        alone = next(r for r in rows if r["recompute"] == best["recompute"] and r["policy"] == "none")
+        offloaded = [r for r in rows if r["recompute"] == best["recompute"] and r["policy"] != "none"]
+        moved = max(
+            (r["moved_share"] for r in offloaded if r["slowdown"] <= best["slowdown"] + 1e-9), default=0
+        )
+        text += (
+            f"; {_name(alone)} alone cuts {100 * alone['cut']:.1f}% at {100 * alone['slowdown']:+.1f}%, and "
+            f"budget offload in the {100 * (cut_room(rows, best, alone)):.1f} points left moved "
+            f"{100 * moved:.1f}% of the saved bytes"
+        )
     ceiling = [r for r in rows if r["recompute"] == "none" and r["policy"] == "budget:1"]
     if ceiling:
         c = ceiling[0]
@@ -263,10 +326,55 @@ def _bound_text(rows: list[dict], best: dict, cut: float) -> str:
     return text
 
 
-def report(out: dict[str, Any]) -> str:
-    lines = []
+def _groups_text(groups: list[dict]) -> list[str]:
+    head = f"{'op group':<34}{'freed':>8}{'traffic':>9}{'freed/traffic':>15}{'of bytes':>10}{'of time':>9}"
+    lines = [
+        "Llama-3-8B layer, bf16: what each group of selectively recomputed ops frees vs the HBM traffic its "
+        "recompute costs (bytes per token per hidden unit; of bytes/time: share of selective's)",
+        head,
+        "-" * len(head),
+    ]
+    for g in groups:
+        lines.append(
+            f"{g['group']:<34}{g['freed_per_token_hidden']:>8.1f}{g['traffic_per_token_hidden']:>9.1f}"
+            f"{g['freed_per_traffic']:>15.2f}{100 * g['share_of_selective_bytes']:>9.0f}%"
+            f"{100 * g['share_of_selective_time']:>8.0f}%"
+        )
+    return lines
+
+
+def _old_new_text(groups: dict[tuple, list[dict]]) -> list[str]:
+    """Per (seq, schedule) on the H100: the best cut within +3% and +10%, with the recompute modes as they
+    were (none, selective and full of every layer) and with the recompute plans (shares, mlp)."""
     head = (
-        f"{'policy':<22}{'act GiB':>8}{'cut':>8}{'step ms':>9}{'slower':>9}{'moved':>9}{'cap GiB':>9}"
+        f"{'seq':>6}  {'schedule':<16}{'target':>10}  {'old best':<24}{'cut':>7}{'slower':>8}  "
+        f"{'new best':<26}{'cut':>7}{'slower':>8}  verdict"
+    )
+    lines = [
+        "\nTargets, Llama-3-8B, H100, pp 4, m 16: old = no recompute plans (none, selective or full on "
+        "every layer), new = with shares of the layers and MLP-only recompute",
+        head,
+        "-" * len(head),
+    ]
+    for (machine, seq, schedule), rows in groups.items():
+        if machine != "H100":
+            continue
+        old = [r for r in rows if r["recompute"] in OLD_RECOMPUTE]
+        for slowdown, cut in TARGETS:
+            a, b = best_within(old, slowdown), best_within(rows, slowdown)
+            verdict = "MET" if b["cut"] >= cut - 1e-9 else "missed"
+            lines.append(
+                f"{seq:>6}  {schedule:<16}{f'{cut:.0%}@+{slowdown:.0%}':>10}  {_name(a):<24}"
+                f"{100 * a['cut']:>6.1f}%{100 * a['slowdown']:>+7.1f}%  {_name(b):<26}{100 * b['cut']:>6.1f}%"
+                f"{100 * b['slowdown']:>+7.1f}%  {verdict}"
+            )
+    return lines
+
+
+def report(out: dict[str, Any]) -> str:
+    lines = _groups_text(out["groups"]) if out.get("groups") else []
+    head = (
+        f"{'policy':<26}{'act GiB':>8}{'cut':>8}{'step ms':>9}{'slower':>9}{'moved':>9}{'cap GiB':>9}"
         f"{'saved GiB':>10}  need/cap for a 30% / 50% cut"
     )
     groups: dict[tuple, list[dict]] = {}
@@ -298,6 +406,7 @@ def report(out: dict[str, Any]) -> str:
             f"{machine:<7}{seq:>6}  {schedule:<16}{f'{cut:.0%} @ +{slowdown:.0%}':>14}  {_name(best):<24}"
             f"{100 * best['cut']:>6.1f}%{100 * best['slowdown']:>+7.1f}%  {'MET' if met else 'missed'}"
         )
+    lines += _old_new_text(groups)
     lines.append(
         "\nLlama-3-70B, H100, seq 8192, m = 2 pp: activation peak per rank (GiB), none vs best within +10%"
     )
@@ -320,7 +429,9 @@ def report(out: dict[str, Any]) -> str:
         )
     lines.append(
         "\ncolumns: cut = 1 - peak / peak without offload or recompute; slower = step time vs the same; "
-        "sel/full = selective/full activation recompute, +budget@X = budget offload within what the "
+        "sel/full = selective/full activation recompute of every layer, sel:S = selective recompute of the "
+        "first share S of each stage's layers (sel:S,mlp: and mlp on the others), mlp = the MLP's "
+        "activation and product only (every layer); +budget@X = budget offload within what the "
         "recompute leaves of a total slowdown X; moved = share of the step's saved bytes copied out (and "
         "back); cap = GiB one direction of the host link carries in the step; saved = GiB the busiest "
         "rank's chunks save in the step (after recompute); need/cap = (share of saved bytes the offload "
@@ -337,7 +448,15 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     seqs = sorted({r["seq"] for r in out["part_a"]})
     fig, axes = plt.subplots(1, len(seqs) + 1, figsize=(6 * (len(seqs) + 1), 5))
-    markers = {"none": "o", "selective": "s", "full": "X"}
+    markers = {
+        "none": "o",
+        "mlp": "v",
+        "selective:0.25": "1",
+        "selective:0.5": "2",
+        "selective:0.75": "3",
+        "selective": "s",
+        "full": "X",
+    }
     for ax, seq in zip(axes, seqs, strict=False):
         for schedule in SHORT.values():
             rows = [
@@ -367,7 +486,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("step time vs no offload, no recompute (%)")
         ax.set_ylabel("activation peak per rank (GiB)")
         ax.set_title(
-            f"Llama-3-8B, H100, pp 4, m 16, seq {seq}\n(circles: no recompute; squares: selective; X: full)"
+            f"Llama-3-8B, H100, pp 4, m 16, seq {seq}\n(o: no recompute; v: mlp; 1-3: selective on 1/4-3/4 "
+            "of the layers; squares: selective; X: full)"
         )
         ax.legend(fontsize=6)
     ax = axes[-1]

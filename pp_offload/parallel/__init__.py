@@ -10,7 +10,9 @@ loss `pp_offload.models.TokenCrossEntropy` over the global target count); ``shar
 create the optimizer on the now sharded parameters, and clip with `clip_grad_norm_` (the norm over every
 pipeline and data-parallel rank). ``activation_checkpointing(split)`` recomputes each decoder layer in
 backward (composes with offload: a recomputed layer saves only its input); ``mode="selective"`` keeps its
-matmul and attention outputs and recomputes only the cheap ops (they move with the offloaded chunk).
+matmul and attention outputs and recomputes only the cheap ops (they move with the offloaded chunk);
+``mode="mlp"`` does that for the layers' MLP blocks only, and ``mode="selective:0.75,mlp"`` applies a
+mode to the first share of each stage's layers and another to the rest (`pp_offload.recompute_plan`).
 See `pp_offload.parallel.fsdp` for why each choice.
 """
 

@@ -13,7 +13,7 @@ Llama layer (RMSNorm, rotary embeddings, sdpa attention, gated MLP):
   2 norms x (4h: the fp32 copy of the input that ``pow``/``mul`` save; + a*h normalised; + a*h the norm's
   output, saved by the next projection), attention a*(2q + 2k) (rotated q and k, v, output; the
   o_proj input is a view of the output), 4H (fp32 log-sum-exp), MLP a*4i (gate, activation, up, product)
-  => 16h + 4a*h + a*(2q + 2k) + 4a*i. In fp32 the first norm saves the layer input itself (no copy), which
+  => 8h + 4a*h + a*(2q + 2k) + 4a*i. In fp32 the first norm saves the layer input itself (no copy), which
   for a stage's first layer is the receive buffer: 4h less. Rotary cos/sin, 2*a*head_dim, once per stage.
 GPT-2 layer (LayerNorm, fused QKV, gelu_new MLP):
   a*(7h + 5i): LayerNorm saves its input (the layer input, then the residual sum), its output feeds the
