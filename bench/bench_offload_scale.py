@@ -16,7 +16,12 @@ Two parts:
     ceiling the windows set) and on H100 also the whole-chunk policies (selective:0.5, full) and
     budget:no-IW-drop (budget without leaving the device between I and W).
     With selective and with full activation recompute (`pp_offload.plan.memory`): alone, and with budget
-    offload within what the recompute leaves of 3% and of 10% (``sel+budget@0.1``).
+    offload within what the recompute leaves of 3% and of 10% (``sel+budget@0.1``). On H100 also the
+    recompute plans (`pp_offload.recompute_plan`): MLP-only recompute (``mlp``), selective on the first
+    share of each stage's layers (``sel:0.75``), and that with ``mlp`` on the other layers
+    (``sel:0.75,mlp``), each alone and with budget offload. Printed first: selective recompute's bytes
+    and HBM traffic per op group (`pp_offload.plan.recompute_groups`); last, the H100 targets before
+    (none, selective or full on every layer) and after the recompute plans.
     Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%, against no offload and no
     recompute.
 (b) Llama-3-70B (80 layers, h 8192, MLP 28672), seq 8192, H100, pp 4, 8, 16 (``--quick``: 4, 8), m = 2 pp:
@@ -31,7 +36,7 @@ while one direction of the host link carries at most step time x bandwidth (with
 the offload must still cut after the recompute's own). ``need/cap`` > 1 means the
 target is out of reach at that step time, whatever the schedule.
 
-    python bench/bench_offload_scale.py            # both parts (~8 min on 2 busy cores; 70B pp 16 ~3 min)
+    python bench/bench_offload_scale.py            # both parts (~9 min on 2 busy cores; 70B pp 16 ~3 min)
     python bench/bench_offload_scale.py --quick    # H100, seq 4096 and pp 4, 8 only (~1 min)
     python bench/bench_offload_scale.py --from-json bench/results/offload_scale.json
 
@@ -454,6 +459,9 @@ def plot(out: dict[str, Any], path: Path) -> None:
         "selective:0.25": "1",
         "selective:0.5": "2",
         "selective:0.75": "3",
+        "selective:0.25,mlp": "P",
+        "selective:0.5,mlp": "p",
+        "selective:0.75,mlp": "*",
         "selective": "s",
         "full": "X",
     }
@@ -485,11 +493,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.axvline(10, color="grey", ls="--")
         ax.set_xlabel("step time vs no offload, no recompute (%)")
         ax.set_ylabel("activation peak per rank (GiB)")
-        ax.set_title(
-            f"Llama-3-8B, H100, pp 4, m 16, seq {seq}\n(o: no recompute; v: mlp; 1-3: selective on 1/4-3/4 "
-            "of the layers; squares: selective; X: full)"
-        )
-        ax.legend(fontsize=6)
+        ax.set_title(f"Llama-3-8B, H100, pp 4, m 16, seq {seq}\n(marker: recompute plan; colour: schedule)")
+        ax.legend(fontsize=5, ncol=2)
     ax = axes[-1]
     for schedule in ("V-Half", "Interleaved1F1B"):
         pps = sorted({r["pp"] for r in out["part_b"] if r["schedule"] == schedule})
