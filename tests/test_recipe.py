@@ -249,8 +249,9 @@ def test_auto_schedule_probes_chooses_the_same_everywhere_and_trains_exactly(
 
 
 def test_auto_judges_recompute_only_when_unset_and_applies_its_pick(tmp_path: Path) -> None:
-    """schedule: auto offers selective and full recompute of this model's layers to `choose` (kept byte
-    shares from the planner's formulas) unless train.activation_checkpointing is set, and the chosen mode
+    """schedule: auto offers MLP-only, selective (on half, three quarters and all of each stage's layers)
+    and full recompute of this model's layers to `choose` (kept byte shares from the planner's formulas)
+    unless train.activation_checkpointing is set, and the chosen mode
     reaches the real pipeline's config; a decision without recompute keeps the user's setting."""
     from types import SimpleNamespace
 
@@ -262,18 +263,23 @@ def test_auto_judges_recompute_only_when_unset_and_applies_its_pick(tmp_path: Pa
     auto = {"pipeline__schedule": "auto", "pipeline__memory_limit": 0.5}
     config = RecipeConfig.from_dict(_config(tmp_path, **auto))
     options = recompute_candidates(config, model, torch.device("cpu"))
-    assert [o.mode for o in options] == ["selective", "full"]
-    assert 0 < options[1].kept_share < options[0].kept_share < 1 and options[1].forward_share == 1
+    assert [o.label for o in options] == ["mlp", "selective:0.5", "selective:0.75", "selective", "full"]
+    mlp, selective, full = options[0], options[3], options[4]
+    assert 0 < full.kept_share < selective.kept_share < mlp.kept_share < 1 and full.forward_share == 1
     set_by_user = RecipeConfig.from_dict(_config(tmp_path, train__activation_checkpointing="full", **auto))
     assert recompute_candidates(set_by_user, model, torch.device("cpu")) == []
     assert machine_preset(torch.device("cpu")) == "H100"
 
     decision = SimpleNamespace(
-        schedule="ScheduleVMin", offload="budget", memory_limit=None, costs={"F": 1.0}, recompute="selective"
+        schedule="ScheduleVMin",
+        offload="budget",
+        memory_limit=None,
+        costs={"F": 1.0},
+        recompute="selective:0.75",
     )
     chosen = chosen_config(config, decision)
     assert (chosen.pipeline.schedule, chosen.pipeline.offload) == ("ScheduleVMin", "budget")
-    assert chosen.train.activation_checkpointing == "selective"
+    assert chosen.train.activation_checkpointing == "selective:0.75"
     without = SimpleNamespace(**{**vars(decision), "recompute": "none"})
     assert chosen_config(set_by_user, without).train.activation_checkpointing == "full"
 
