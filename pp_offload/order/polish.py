@@ -4,8 +4,9 @@ Compaction (`pp_offload.order.compact`) keeps each rank's order and only pulls p
 never helps a pass that was *ready* but found its rank busy with a pass that could have waited. That
 happens in the drain above all: a rank starts a weight pass W just before the input-gradient pass I of the
 last microbatches reaches it, and every rank behind it on the backward chain waits the rest of that W.
-A schedule that idles one slot, runs the I first and the W after is faster (found by an exact CP-SAT
-solver at d=8, m=32, F:I:W=3:4:2, limit 15: 614 -> 611 time units; `bench/results/adaptive.json`).
+A schedule that idles one slot, runs the I first and the W after is faster. That shape came from an
+exact solver (CP-SAT, run outside the library) at d=8, m=32, F:I:W=3:4:2, limit 15, which found 613 time
+units where the search had 614; with the polish the search reaches 611 (`bench/results/adaptive.json`).
 
 The polish walks the critical chain back from the last pass to end: a pass that started the moment its
 rank's previous pass ended, although its dependency had ended earlier, waited for its rank (a resource
