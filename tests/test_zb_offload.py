@@ -168,3 +168,24 @@ def test_offload_aware_order_keeps_losses_and_grads() -> None:
     assert all(g["adjacent"] for g in got), "the runtime did not run the plan's sequence"
     assert sum(g["moved"] for g in got) > 0 and sum(g["offloads"] for g in got) > 0, "nothing offloaded"
     assert all(g["left"] == 0 for g in got), "chunks left in the store after the step"
+
+
+# --- planner --------------------------------------------------------------------------------------------
+
+
+def test_planner_labels_close_w_and_flags_it_when_it_moves_no_w() -> None:
+    from pp_offload.plan.planner import DEFAULT_OFFLOAD, Candidate, _mark_useless, _policies
+
+    assert "budget:close-w" in DEFAULT_OFFLOAD
+    labels = [label for label, _ in _policies(["budget", "budget:close-w", "budget:auto:0.1:close-w"])]
+    assert labels == ["budget", "budget:close-w", "budget:auto:0.1:close-w"]
+    plain = Candidate("ScheduleVZB", "none", step_time=1.0, activation=[10])
+    same = Candidate("ScheduleVZB", "budget:close-w", step_time=1.02, activation=[9], offloaded_share=0.5)
+    pulled = Candidate(
+        "ScheduleInterleavedZeroBubble", "budget:close-w", step_time=1.02, activation=[8], offloaded_share=0.5
+    )
+    pulled.pulled_w = 12
+    other = Candidate("ScheduleInterleavedZeroBubble", "none", step_time=1.0, activation=[10])
+    _mark_useless([plain, same, other, pulled])
+    assert same.useless and "no W" in same.useless
+    assert pulled.useless is None
