@@ -20,8 +20,8 @@ as torch executes them, per-stage pass times and bytes, offload placed by `plan_
 largest per-rank activation peak (GiB) and every rank's, GiB copied device->host and host->device per step
 (the drop-and-reload copies twice back), chunks dropped after I, W passes moved next to I.
 
-    python bench/bench_zb_offload.py            # ~8 min on 2 cores
-    python bench/bench_zb_offload.py --quick    # H100, seq 4096 only (~2 min)
+    python bench/bench_zb_offload.py            # ~5 min on 2 cores
+    python bench/bench_zb_offload.py --quick    # H100, seq 4096 only (~1-2 min)
     python bench/bench_zb_offload.py --from-json bench/results/zb_offload.json
 
 Writes ``zb_offload.json`` and ``zb_offload.png`` to ``bench/results`` (or ``--out DIR``).

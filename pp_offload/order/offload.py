@@ -92,7 +92,7 @@ class OffloadPolicy:
         orders keep every chunk from I to W; this is what lets offload reach that span.
     close_w:
         budget without ``fraction``, orders with split backward: also try offload-aware versions of the
-        order, with the W of offloaded chunks moved right after their I (rank by rank), and keep the one
+        order, with the held-back W passes moved right after their I (rank by rank), and keep the one
         whose budget plan peaks lowest within ``max_slowdown`` of the order as given
         (`pp_offload.order.zb_offload`). The plan's ``order`` is then that order; ``pulled`` names the
         chunks whose W moved.
@@ -188,7 +188,7 @@ class OffloadPolicy:
             raise ValueError(f"close_w must be True or False, got {self.close_w!r}")
         if self.close_w and (self.mode != "budget" or self.fraction is not None):
             raise ValueError(
-                "close_w (W moved next to I for offloaded chunks) trades step time within max_slowdown: use "
+                "close_w (W passes moved next to their I) trades step time within max_slowdown: use "
                 f"it with offload mode 'budget' without a fraction (e.g. 'budget:close-w'), not mode="
                 f"{self.mode!r}, fraction={self.fraction!r}"
             )
