@@ -5,14 +5,17 @@ Reference values and where each comes from (nothing else is compared; an empty c
 or quoted figure exists for that point):
 - "issue 14": the reference adaptive scheduler (sail-sg/zero-bubble-pipeline-parallelism,
   v_auto_schedule.py) replayed by the issue's author with this yardstick. Its unit-cost curve at d=8,
-  m=32 drops to 2.5 / 1.5 / 0.0 % at limits 14 / 15 / 16, below the floor any order can reach here
-  (``floor`` column), so those three points are listed but flagged and not counted.
+  m=32 drops to 4.0 / 2.5 / 1.5 / 0.0 % at limits 13 / 14 / 15 / 16, below the bound no order within
+  that limit can beat (``bound`` column), so those four points are listed but flagged and not counted.
 - "paper": the controllable-memory paper's V-Min / V-Half / V-ZB at unit costs (d=4, m=8 and d=8,
   m=32; reference/papers.md), which are points of the same curve at limits 2*floor((d+4)/3),
   2*floor((d+2)/2) and 2d.
 
-``floor``: (d-1)F / ((d-1)F + 2m(F+I+W)): the last rank cannot start before d-1 forwards have reached
-it, so no order's bubble is lower (comm = 0).
+``bound``: the bubble of `pp_offload.order.vshape.makespan_lower_bound` at that limit (comm = 0): the
+last rank idles until d-1 forwards reach it, and before the first input gradient can reach it
+(2dF + (d-1)I) it can run at most ``limit`` forwards, so it idles at least 2dF + (d-1)I - limit F. No
+order within the limit has a lower bubble; where ours equals it, ours is optimal. ``floor`` is the
+limit-free part, (d-1)F / ((d-1)F + 2m(F+I+W)).
 
     python bench/bench_orders.py --adaptive-only            # d in {4, 8, 16}
     python bench/bench_orders.py --adaptive-only --adaptive-d 4,8
@@ -155,6 +158,15 @@ def floor_bubble(d: int, m: int, costs: dict[str, float]) -> float:
     return 100 * fill / (fill + 2 * m * (costs["F"] + costs["I"] + costs["W"]))
 
 
+def bound_bubble(d: int, m: int, costs: dict[str, float], limit: int) -> float:
+    """Lowest bubble (%) any V order within ``limit`` chunk units per rank can have (comm = 0)."""
+    from pp_offload.order.actions import Costs
+    from pp_offload.order.vshape import makespan_lower_bound
+
+    work = 2 * m * (costs["F"] + costs["I"] + costs["W"])
+    return 100 * (1 - work / makespan_lower_bound(d, m, Costs.coerce(costs), limit))
+
+
 def sweep_config(d: int, m: int, costs_name: str) -> list[dict[str, Any]]:
     """Every limit d..2d of one (d, m, costs), in one process: the search's curve is built once, on the
     first (largest) limit, and its CPU time is the construction time a user pays for V-ZB."""
@@ -170,6 +182,7 @@ def sweep_config(d: int, m: int, costs_name: str) -> list[dict[str, Any]]:
     build = {"cpu_seconds": time.process_time() - cpu0, "wall_seconds": time.perf_counter() - wall0}
     floor = floor_bubble(d, m, costs)
     for limit in range(d, 2 * d + 1):
+        bound = bound_bubble(d, m, costs, limit)
         result = simulate(adaptive_v_order(d, m, limit / reference, costs), costs)
         ref, source = REFERENCE.get((d, m, costs_name, limit), (None, None))
         rows.append(
@@ -183,7 +196,9 @@ def sweep_config(d: int, m: int, costs_name: str) -> list[dict[str, Any]]:
                 "reference": ref,
                 "source": source,
                 "floor": floor,
-                "reference_below_floor": ref is not None and ref < floor - 0.05,
+                "bound": bound,
+                "optimal": 100 * result.bubble <= bound + 1e-6,
+                "reference_below_bound": ref is not None and ref < bound - 0.05,
                 **build,
             }
         )
@@ -195,7 +210,7 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
     better = worse = within = beyond = 0
     for row in rows:
         ref = row["reference"]
-        if ref is None or row["reference_below_floor"]:
+        if ref is None or row["reference_below_bound"]:
             continue
         ours = round(row["bubble"], 1)
         better += ours < ref
@@ -207,7 +222,7 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         series = [r["bubble"] for r in rows if (r["d"], r["m"], r["costs"]) == key]
         steps = zip(series, series[1:], strict=False)
         monotone[f"d={key[0]} m={key[1]} {key[2]}"] = all(b <= a + 1e-9 for a, b in steps)
-    compared = sum(1 for r in rows if r["reference"] is not None and not r["reference_below_floor"])
+    compared = sum(1 for r in rows if r["reference"] is not None and not r["reference_below_bound"])
     return {
         "compared": compared,
         "strictly_better": better,
@@ -216,6 +231,7 @@ def verdicts(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "beyond_tolerance": beyond,
         "monotone": monotone,
         "all_monotone": all(monotone.values()),
+        "optimal": sum(1 for r in rows if r["optimal"]),
     }
 
 
@@ -226,26 +242,29 @@ def print_sweep(rows: list[dict[str, Any]]) -> dict[str, Any]:
         series = [r for r in rows if (r["d"], r["m"], r["costs"]) == (d, m, costs_name)]
         build = series[0]
         print(
-            f"\nd={d} m={m} F:I:W={costs_name}  floor {series[0]['floor']:.1f}%  curve built in "
+            f"\nd={d} m={m} F:I:W={costs_name}  floor {series[0]['floor']:.2f}%  curve built in "
             f"{build['cpu_seconds']:.1f} s CPU ({build['wall_seconds']:.1f} s wall)"
         )
-        print(f"  {'limit':>5} {'peak':>4} {'ours':>6} {'ref':>6}  source")
+        print(f"  {'limit':>5} {'peak':>4} {'ours':>6} {'bound':>6} {'ref':>6}  source")
         for r in series:
             ref = "" if r["reference"] is None else f"{r['reference']:.1f}"
             note = r["source"] or ""
-            if r["reference_below_floor"]:
-                note += " (below the floor: not counted)"
+            if r["reference_below_bound"]:
+                note += " (below the bound: not counted)"
             elif r["reference"] is not None:
                 delta = round(r["bubble"], 1) - r["reference"]
                 note += f"  {delta:+.1f}" + ("  OVER +0.2" if delta > TOLERANCE + 1e-9 else "")
-            print(f"  {r['limit']:>5} {r['peak']:>4g} {r['bubble']:>6.1f} {ref:>6}  {note}")
+            mark = "*" if r["optimal"] else " "
+            cells = f"{r['limit']:>5} {r['peak']:>4g} {r['bubble']:>6.2f} {r['bound']:>5.2f}{mark} {ref:>6}"
+            print(f"  {cells}  {note}")
     summary = verdicts(rows)
     print(
         f"\nvs reference: {summary['compared']} points, {summary['strictly_better']} strictly better, "
         f"{summary['strictly_worse']} strictly worse, {summary['beyond_tolerance']} beyond "
         f"+{TOLERANCE} points; "
         f"monotone in the limit: {'all' if summary['all_monotone'] else 'NOT all'} "
-        f"({sum(summary['monotone'].values())}/{len(summary['monotone'])} configurations)"
+        f"({sum(summary['monotone'].values())}/{len(summary['monotone'])} configurations); "
+        f"{summary['optimal']} of {len(rows)} points at the lower bound (* : provably optimal)"
     )
     return summary
 
@@ -267,18 +286,12 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
             if not series:
                 ax.axis("off")
                 continue
-            ax.plot([r["limit"] for r in series], [r["bubble"] for r in series], "o-", ms=3, label="ours")
-            refs = [r for r in series if r["reference"] is not None]
+            limits = [r["limit"] for r in series]
+            ax.plot(limits, [r["bubble"] for r in series], "o-", ms=3, label="ours")
+            ax.plot(limits, [r["bound"] for r in series], ":", color="grey", lw=1, label="lower bound")
+            refs = [(r["limit"], r["reference"]) for r in series if r["reference"] is not None]
             if refs:
-                ax.plot(
-                    [r["limit"] for r in refs],
-                    [r["reference"] for r in refs],
-                    "x",
-                    color="C3",
-                    ms=7,
-                    label="reference",
-                )
-            ax.axhline(series[0]["floor"], color="grey", ls=":", lw=1, label="floor")
+                ax.plot(*zip(*refs, strict=True), "x", color="C3", ms=7, label="reference")
             ax.set_title(f"d={d} m={m} {costs_name}", fontsize=9)
             ax.set_xlabel("memory limit (chunk units)", fontsize=8)
             ax.set_ylabel("bubble (%)", fontsize=8)

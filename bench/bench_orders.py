@@ -14,7 +14,8 @@ Three parts:
 3. the papers' reference bubbles (target / measured / verdict);
 4. the adaptive sweep (`adaptive_sweep.py`): every integer memory limit from d to 2d, d in {4, 8, 16},
    m in {2d, 4d}, costs 1:1:1 and 3:4:2, against the reference adaptive scheduler's values where known
-   (``--adaptive-only`` runs just this part and writes ``adaptive.json`` / ``adaptive.png``).
+   (``--adaptive-only`` runs just this part and writes ``adaptive.json`` / ``adaptive.png``;
+   ``--construction-only`` re-measures only its construction-time table, on a quiet machine).
 
     python bench/bench_orders.py              # everything (several minutes)
     python bench/bench_orders.py --quick      # d in {2, 4}, m in {2d, 4d}, small sweep: a smoke test
@@ -192,6 +193,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--construction-max-d", type=int, default=32, help="largest d of the construction-time table (32)"
     )
+    p.add_argument(
+        "--construction-only",
+        action="store_true",
+        help="re-measure only the construction-time table into the existing adaptive.json (timings want a "
+        "quiet machine; the sweep's bubbles do not)",
+    )
     return p.parse_args(argv)
 
 
@@ -199,6 +206,8 @@ def run_adaptive_sweep(args: argparse.Namespace) -> dict[str, Any]:
     """Part 4: the adaptive sweep (see adaptive_sweep.py); writes adaptive.json and adaptive.png."""
     import adaptive_sweep
 
+    if args.construction_only:
+        return _rerun_construction(args)
     ds = [int(x) for x in args.adaptive_d.split(",") if x]
     tasks = [(d, f * d, c, d * d * f * d) for d in ds for f in (2, 4) for c in adaptive_sweep.COSTS]
     t0 = time.perf_counter()
@@ -206,10 +215,7 @@ def run_adaptive_sweep(args: argparse.Namespace) -> dict[str, Any]:
         row for rows in _run_pool(tasks, adaptive_sweep.sweep_config, args.jobs, "adaptive") for row in rows
     ]
     summary = adaptive_sweep.print_sweep(rows)
-    sizes = [(d, m) for d, m in adaptive_sweep.CONSTRUCTION if d <= args.construction_max_d]
-    construction_tasks = [(d, m, c, d * d * m) for d, m in sizes for c in adaptive_sweep.COSTS]
-    construction = _run_pool(construction_tasks, adaptive_sweep.construction_time, args.jobs, "construction")
-    adaptive_sweep.print_construction(construction)
+    construction = _construction(args)
     payload = {
         "benchmark": "adaptive sweep: bubble vs memory limit, ours against the reference",
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -230,6 +236,30 @@ def run_adaptive_sweep(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"wrote {args.out / 'adaptive.json'}" + ("" if args.no_plot else f" and {args.out / 'adaptive.png'}")
     )
+    return payload
+
+
+def _construction(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import adaptive_sweep
+
+    sizes = [(d, m) for d, m in adaptive_sweep.CONSTRUCTION if d <= args.construction_max_d]
+    tasks = [(d, m, c, d * d * m) for d, m in sizes for c in adaptive_sweep.COSTS]
+    rows = _run_pool(tasks, adaptive_sweep.construction_time, args.jobs, "construction")
+    adaptive_sweep.print_construction(rows)
+    return rows
+
+
+def _rerun_construction(args: argparse.Namespace) -> dict[str, Any]:
+    """The construction table alone, written into the adaptive.json a full run left (its sweep kept)."""
+    path = args.out / "adaptive.json"
+    if not path.exists():
+        raise SystemExit(f"--construction-only updates {path}, which is missing: run --adaptive-only first")
+    payload = json.loads(path.read_text())
+    payload["construction"] = _construction(args)
+    payload["construction_timestamp"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    payload["construction_jobs"] = args.jobs
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"updated the construction table of {path}")
     return payload
 
 
@@ -426,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     # The benchmark measures the search: no disk cache (worker processes inherit this).
     os.environ["PP_OFFLOAD_ORDER_CACHE"] = "off"
-    if args.adaptive_only:
+    if args.adaptive_only or args.construction_only:
         run_adaptive_sweep(args)
         return 0
     import torch

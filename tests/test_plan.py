@@ -34,6 +34,7 @@ from pp_offload.plan.memory import (
     state_bytes,
 )
 from pp_offload.plan.orders import layout, microbatch_problem
+from pp_offload.plan.planner import DEFAULT_OFFLOAD, DEFAULT_RECOMPUTE
 
 GIB = 1 << 30
 
@@ -561,9 +562,11 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert "recommended:" in text and "ScheduleVHalf" in text and "fits" in text
     assert png.stat().st_size > 10_000
     data = json.loads(out.read_text())
-    # 9 schedules x 6 offload policies x 6 recompute plans (none, mlp, selective on half, three quarters
-    # and every layer, full): skipped rows listed too
-    assert data["recommended"] and len(data["candidates"]) == 9 * 6 * 6
+    # 9 schedules x every default offload policy x 6 recompute plans (none, mlp, selective on half and
+    # three quarters of the layers with mlp on the rest, selective, full): skipped rows listed too
+    assert data["recommended"] and len(data["candidates"]) == 9 * len(DEFAULT_OFFLOAD) * len(
+        DEFAULT_RECOMPUTE
+    )
     assert data["settings"]["pp"] == 2 and data["settings"]["gpu_memory_gib"] == 4
 
 

@@ -17,14 +17,22 @@ from pp_offload.runtime.catalog import schedule_info
     ("error", "hint"),
     [
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."), cli.OUT_OF_MEMORY_HINT),
-        (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"),
-         cli.OUT_OF_MEMORY_HINT),
-        (torch.distributed.DistStoreError("Timed out after 16 seconds waiting for clients. 1/2 clients"),
-         cli.MISSING_RANK_HINT),
-        (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 15000ms for recv"),
-         cli.TIMEOUT_HINT),
-        (RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"),
-         cli.PEER_EXITED_HINT),
+        (
+            RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"),
+            cli.OUT_OF_MEMORY_HINT,
+        ),
+        (
+            torch.distributed.DistStoreError("Timed out after 16 seconds waiting for clients. 1/2 clients"),
+            cli.MISSING_RANK_HINT,
+        ),
+        (
+            RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 15000ms for recv"),
+            cli.TIMEOUT_HINT,
+        ),
+        (
+            RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"),
+            cli.PEER_EXITED_HINT,
+        ),
         (ValueError("something else"), None),
     ],
 )

@@ -25,7 +25,7 @@ from pathlib import Path
 from pp_offload.order.actions import Action, Costs, Order
 
 ENV = "PP_OFFLOAD_ORDER_CACHE"
-SEARCH_VERSION = 4
+SEARCH_VERSION = 5
 _OFF = {"", "0", "off", "none", "false", "no"}
 
 

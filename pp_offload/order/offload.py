@@ -62,6 +62,7 @@ LANES = ("duplex", "shared")
 CHOICES = ("peak", "lifespan")
 _DEFAULT_SELECTIVE_FRACTION = 0.5
 _DEFAULT_MAX_SLOWDOWN = 0.03
+_CLOSE_W = "close-w"
 _REFINE_ROUNDS = 32
 _EPS = 1e-9
 
@@ -89,6 +90,12 @@ class OffloadPolicy:
         again in between (W still needs its saved tensors; their host copy is exact, so this OFFLOAD
         copies nothing) and is reloaded before W, where the gap is longer than the reload. Zero-bubble
         orders keep every chunk from I to W; this is what lets offload reach that span.
+    close_w:
+        budget without ``fraction``, orders with split backward: also try offload-aware versions of the
+        order, with the held-back W passes moved right after their I (rank by rank), and keep the one
+        whose budget plan peaks lowest within ``max_slowdown`` of the order as given
+        (`pp_offload.order.zb_offload`). The plan's ``order`` is then that order; ``pulled`` names the
+        chunks whose W moved.
     count:
         selective: number of chunks per rank to offload, instead of a fraction.
     choose:
@@ -131,6 +138,7 @@ class OffloadPolicy:
     k: float | None = None
     max_slowdown: float = _DEFAULT_MAX_SLOWDOWN
     drop_after_i: bool = True
+    close_w: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -176,6 +184,14 @@ class OffloadPolicy:
             )
         if not isinstance(self.drop_after_i, bool):
             raise ValueError(f"drop_after_i must be True or False, got {self.drop_after_i!r}")
+        if not isinstance(self.close_w, bool):
+            raise ValueError(f"close_w must be True or False, got {self.close_w!r}")
+        if self.close_w and (self.mode != "budget" or self.fraction is not None):
+            raise ValueError(
+                "close_w (W passes moved next to their I) trades step time within max_slowdown: use "
+                f"it with offload mode 'budget' without a fraction (e.g. 'budget:close-w'), not mode="
+                f"{self.mode!r}, fraction={self.fraction!r}"
+            )
         if not _is_real(self.max_slowdown) or not 0 <= self.max_slowdown < math.inf:
             raise ValueError(
                 f"max_slowdown must be a finite number >= 0 (relative step-time increase, 0.03 = 3%), "
@@ -244,6 +260,8 @@ class OffloadPlan:
     layered: budget mode: (stage, microbatch) -> how many of its layers move (`pp_offload.sim.LayeredChunk`);
         empty for whole-chunk policies. Pass it to `pp_offload.sim.simulate` to replay ``order``
         (or use `replay`).
+    pulled: ``close_w``: rank -> (stage, microbatch) chunks whose W the plan's ``order`` runs right after
+        their I instead of where the input order had it (`pp_offload.order.zb_offload`); empty otherwise.
     """
 
     order: dict[int, list[Action]]
@@ -251,6 +269,7 @@ class OffloadPlan:
     policy: OffloadPolicy
     sim: SimResult | None = field(default=None, repr=False)
     layered: dict[tuple[int, int], LayeredChunk] = field(default_factory=dict, repr=False)
+    pulled: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def replay(self, costs: Costs | Mapping[str, float] | None = None, **changes: Any) -> SimResult:
         """Simulate this plan's order again (other ``costs``, e.g. per-stage), as the runtime runs it.
@@ -272,7 +291,8 @@ def resolve_offload(value: Any) -> OffloadPolicy:
 
     Accepts ``None``/``False``/``"none"``, ``True``/``"full"``, ``"selective"`` (half the chunks),
     ``"selective:0.25"``, ``"auto"``, ``"budget"`` (layer by layer, within 3% step time),
-    ``"budget:0.5"`` (half of each chunk's layers), ``"budget:auto:0.1"`` (within 10%), a float fraction
+    ``"budget:0.5"`` (half of each chunk's layers), ``"budget:auto:0.1"`` (within 10%), ``"budget:close-w"``
+    or ``"budget:auto:0.1:close-w"`` (also offload-aware orders: ``close_w``), a float fraction
     in [0, 1] (selective), a dict of `OffloadPolicy` fields (``{"mode": "selective", "count": 2}``;
     ``mode`` defaults to selective when a fraction or count is given) or an `OffloadPolicy`.
     """
@@ -324,7 +344,11 @@ def resolve_offload(value: Any) -> OffloadPolicy:
 
 
 def _parse_budget(value: str, tail: str) -> OffloadPolicy:
-    """``budget:<fraction>`` or ``budget:auto:<max_slowdown>``."""
+    """``budget:<fraction>``, ``budget:auto:<max_slowdown>``, either auto form with ``:close-w``."""
+    if tail == _CLOSE_W or tail.endswith(":" + _CLOSE_W):
+        base = tail.removesuffix(_CLOSE_W).rstrip(":")
+        policy = _parse_budget(value, base) if base else OffloadPolicy("budget")
+        return replace(policy, close_w=True)
     head, sep, rest = tail.partition(":")
     try:
         if head == "auto":
@@ -339,7 +363,8 @@ def _parse_budget(value: str, tail: str) -> OffloadPolicy:
             raise
         raise ValueError(
             f"cannot read offload={value!r}; write 'budget:0.5' (share of each chunk's layers) or "
-            f"'budget:auto:0.1' (as many layers as fit within a 10% slower step)"
+            f"'budget:auto:0.1' (as many layers as fit within a 10% slower step), optionally followed by "
+            f"':close-w' (also offload-aware orders)"
         ) from None
 
 
@@ -433,6 +458,16 @@ def plan_offload(
     offloaded: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
     if not policy.enabled:
         return OffloadPlan(compute, offloaded, policy, simulate(compute, costs, copy_lanes=policy.lanes))
+    if policy.close_w:
+        from pp_offload.order.zb_offload import plan_close_w
+
+        def budget(order: Mapping[int, list[Action]], inner: OffloadPolicy) -> OffloadPlan:
+            return plan_offload(order, costs, inner, layers=layers, layer_copy=layer_copy, peaks=peaks)
+
+        def peaks_of(p: OffloadPlan) -> Mapping[int, float]:
+            return dict(p.sim.peak_memory) if peaks is None else peaks(p.sim, p.layered)
+
+        return plan_close_w(compute, costs, policy, budget, peaks_of)
     if policy.mode == "budget":
         plan = _plan_budget(compute, costs, policy, layers, layer_copy, peaks)
         if policy.fraction is None and policy.max_slowdown > _DEFAULT_MAX_SLOWDOWN:

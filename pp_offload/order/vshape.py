@@ -12,7 +12,9 @@ candidates, judge them with the *real* costs, keep the fastest within the memory
 - each of the above with its drain rewritten (`pp_offload.order.cooldown`): input gradients of the two
   chunks interleaved on diagonals, weight passes held back to fill the drain;
 - each of the above with its warm-up rewritten (`pp_offload.order.warmup`), alone and with the drain
-  rewrite after it.
+  rewrite after it;
+- per cap, the fastest finalist polished along its critical chain (`pp_offload.order.polish`): passes
+  that found their rank busy with a pass that could wait go ahead of it.
 
 The best are compacted (`pp_offload.order.compact`: idle gaps filled without raising any rank's peak
 above the cap it is compacted under). The search is grown cap by cap (`_Curve`) and none of its choices
@@ -46,6 +48,7 @@ from pp_offload.order.compact import compact_measured
 from pp_offload.order.cooldown import diagonal_cooldown
 from pp_offload.order.extend import extend_order
 from pp_offload.order.greedy import GreedyPolicy, greedy_v_order
+from pp_offload.order.polish import polish_order
 from pp_offload.order.replay import replay
 from pp_offload.order.rhythm import rhythm_v_order
 from pp_offload.order.spread import Gather, PackedOrder, spread_map
@@ -305,6 +308,7 @@ class _Scored:
     gen: _Generator
     stored: Order | PackedOrder | None  # None: not kept (rebuilt from ``gen`` when needed)
     cap: int = 0  # the cap it was compacted under (0: not compacted)
+    polished: bool = False  # made by `polish_order` from another finalist (always stored)
 
     @property
     def order(self) -> Order | None:
@@ -461,6 +465,7 @@ class _Curve:
         self.final: list[_Scored] = []  # for all m microbatches
         self.seen: set[tuple[str, int]] = set()
         self.memo: dict = {}  # compactions, for reuse at larger caps (see `_compacted`)
+        self.polish_of: dict[int, tuple[_Scored, bool]] = {}  # cap -> (its polish base, refused by cap)
         self.batches = 0  # batches of tasks so far: spreads each batch from a different rank on
 
     def _next_batch(self) -> int:
@@ -471,7 +476,9 @@ class _Curve:
         """Fastest finalist within ``cap``; grows the curve up to ``cap`` first, its independent tasks
         spread over ``gather``'s ranks when given (every rank of the group must call this together)."""
         if gather is not None and gather.size > 1 and self.done_cap < cap:
-            self._grow_together(list(range(self.done_cap + 1, cap + 1)), gather)
+            caps = list(range(self.done_cap + 1, cap + 1))
+            self._grow_together(caps, gather)
+            self._polish(caps, gather)
             self.done_cap = cap
         if not self.admitted and self.done_cap < cap:
             self._admit(0, None)
@@ -479,6 +486,7 @@ class _Curve:
         while self.done_cap < cap:
             self.done_cap += 1
             self._grow(self.done_cap)
+            self._polish([self.done_cap], None)
         fitting = [i for i in self.final if i.peak <= cap]
         return min(fitting, key=lambda i: (i.makespan, i.peak, i.name), default=None)
 
@@ -556,6 +564,43 @@ class _Curve:
             [3.0 * self.m if lead else 1.0 * self.m for _, _, lead in entries],
         )
         self.final += [final for final in finals if final is not None]
+
+    def _polish(self, caps: list[int], gather: Gather | None) -> None:
+        """Per cap, the fastest finalist made at or below it, polished under it (`polish_order`); kept as a
+        finalist of that cap when faster.
+
+        A cap's polish depends only on finalists made at caps up to it, never on polished ones, so each
+        cap's polish is independent of the others' and the caps of one call can be spread. A base already
+        polished under the cap below, with no move refused there by the cap, is skipped: the polish would
+        take the same steps (`Polished.bound`). Ranks searching together cannot know that before the
+        exchange and polish it anyway, which gives the same order."""
+        jobs: list[tuple[int, _Scored]] = []
+        for c in caps:
+            made = [f for f in self.final if not f.polished and f.cap <= c and f.peak <= c]
+            if not made:
+                continue
+            base = min(made, key=lambda i: (i.makespan, i.peak, i.name))
+            if base.makespan <= makespan_lower_bound(self.d, self.m, self.costs, c) + 1e-9:
+                continue  # provably optimal under this cap already
+            earlier = self.polish_of.get(c - 1)
+            if gather is None and earlier is not None and earlier[0] is base and not earlier[1]:
+                self.polish_of[c] = earlier
+                continue
+            jobs.append((c, base))
+        pack = _pack if gather is not None and gather.size > 1 else _same
+
+        def run(job: tuple[int, _Scored]) -> tuple:
+            c, base = job
+            found = polish_order(base.order, self.costs, c, max_trials=_polish_trials(self.d, self.m))
+            return found.makespan, found.peak, pack(found.order), found.bound
+
+        weights = [float(self.m)] * len(jobs)
+        results = spread_map(gather, run, jobs, weights, first=self._next_batch())
+        for (c, base), (makespan, peak, order, bound) in zip(jobs, results, strict=True):
+            self.polish_of[c] = (base, bound)
+            if makespan < base.makespan - 1e-9:
+                name = f"polish({base.name})@cap{c}"
+                self.final.append(_Scored(makespan, peak, name, base.gen, order, c, polished=True))
 
     def _shortlist(self, cap: int) -> list[_Scored]:
         """The candidates compacted under ``cap`` (see the class doc), each once per cap."""
@@ -658,6 +703,37 @@ class _Curve:
         Deeper pipelines settle later (d=16, m=64, 3:4:2: cap 25 needs cap + 16 to reach the bubble a
         full-length compaction finds)."""
         return min(self.m, cap + max(8, self.d))
+
+
+def _polish_trials(num_ranks: int, num_microbatches: int) -> int:
+    """Replays a cap's polish may spend: ``12 d`` for small pipelines, and beyond d x m = 2048 passes per
+    kind a budget that keeps one polish's replay work constant (a replay costs about d x m), so the
+    polish stays about a fifth of the search's time at d=8 and d=16 rather than growing with d."""
+    d, m = num_ranks, num_microbatches
+    return max(8, min(12 * d, 96 * 256 // (d * m)))
+
+
+def makespan_lower_bound(num_ranks: int, num_microbatches: int, costs: Costs, cap: int) -> float:
+    """No V order with every rank's peak within ``cap`` chunk units finishes sooner than this.
+
+    Every rank computes ``2m (F + I + W)``; the last rank, d-1, also idles. It cannot start before its
+    first forward input arrives, ``(d-1)(F + comm)``. Its first pass of any other kind is the input
+    gradient of stage d for microbatch 0, whose chain (forwards to the end of the V, input gradients back
+    to stage d) cannot start it before ``T1 = 2dF + (d-1)I + 3(d-1) comm``. Before T1 it can run only
+    forwards, and at most ``cap`` of them (no weight pass has freed a chunk yet), so it idles at least
+    ``T1 - cap F``. With per-stage costs the bound is not derived: the compute alone is returned.
+
+    Tight at d=8, m=32, F=I=W=1 for limits 12 to 16 (bubbles 5.42 to 3.52%, which the search reaches),
+    and it shows the reference adaptive scheduler's 4.0% at limit 13 is out of reach (bound 4.95%).
+    """
+    d, m = num_ranks, num_microbatches
+    work = 2 * m * (costs.F + costs.I + costs.W)
+    if costs.stages is not None:
+        return work
+    fill = (d - 1) * (costs.F + costs.comm)
+    first_gradient = 2 * d * costs.F + (d - 1) * costs.I + 3 * (d - 1) * costs.comm
+    forwards = min(cap, 2 * m) * costs.F
+    return work + max(fill, first_gradient - forwards)
 
 
 def _quota(ranked: list[_Scored], keep: int) -> list[_Scored]:

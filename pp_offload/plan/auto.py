@@ -88,8 +88,9 @@ DEFAULT_SCHEDULES = (
     "ScheduleVAdaptive",
     "ScheduleInterleaved1F1B",
     "ScheduleZBVZeroBubble",
+    "ScheduleInterleavedZeroBubble",
 )
-DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full", "budget")
+DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full", "budget", "budget:close-w")
 _TIE = 0.01
 _MS = 1e3
 _MiB = float(1 << 20)

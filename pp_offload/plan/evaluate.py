@@ -367,6 +367,7 @@ class PolicyResult:
     moved_layers_per_rank: list[int] = field(default_factory=list)  # budget: layer copies out per rank
     moved_bytes: int = 0  # bytes copied out (and back) over the step
     saved_bytes: int = 0  # bytes all chunks of the step save
+    pulled_w: int = 0  # close_w: W passes the offload-aware order moved right after their I
 
 
 @dataclass
@@ -420,11 +421,13 @@ def evaluate_orders(
     for size in orders.sizes:
         order = orders.orders[size]
         layered: dict = {}
+        pulled = 0
         if resolved.enabled:
             planned = offload_plan(setup, order, resolved)
             layered = planned.layered
             sim = planned.sim
             per_rank = [len(planned.offloaded.get(r, ())) for r in sorted(sim.timeline)]
+            pulled = sum(len(keys) for keys in planned.pulled.values())
         else:
             sim = simulate(order, setup.costs)
             per_rank = [0] * len(sim.timeline)
@@ -467,6 +470,7 @@ def evaluate_orders(
                 else [],
                 moved_bytes=moved,
                 saved_bytes=saved,
+                pulled_w=pulled,
             )
         )
     return results
@@ -513,6 +517,7 @@ def combine(results: list[PolicyResult], num_microbatches: int) -> dict[str, Any
         "reload_wait": last.reload_wait,
         "offloaded_share": last.offloaded / last.chunks if last.chunks else 0.0,
         "moved_share": last.moved_bytes / last.saved_bytes if last.saved_bytes else 0.0,
+        "pulled_w": last.pulled_w,
         "extrapolated": len(results) > 1,
     }
 

@@ -52,7 +52,15 @@ from pp_offload.recompute_plan import parse_recompute
 __all__ = ["DEFAULT_OFFLOAD", "Candidate", "PlanError", "PlanResult", "plan"]
 
 GIB = 1 << 30
-DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full", "budget", "budget:auto:0.1")
+DEFAULT_OFFLOAD = (
+    "none",
+    "selective:0.25",
+    "selective:0.5",
+    "full",
+    "budget",
+    "budget:auto:0.1",
+    "budget:close-w",
+)
 DEFAULT_RECOMPUTE = ("none", "mlp", "selective:0.5,mlp", "selective:0.75,mlp", "selective", "full")
 """Recompute plans tried by default (`pp_offload.recompute_plan`): none; the MLP blocks' activation and
 product of every layer; selective recompute of the first half and three quarters of each stage's layers
@@ -102,6 +110,9 @@ class Candidate:
     """Why this offload candidate is never recommended: it moves nothing, or it costs step time without
     lowering the activation peak below the same schedule without offload (and without recompute)."""
     recompute: str = "none"
+    pulled_w: int = 0
+    """``budget:close-w``: W passes its offload-aware order moved right after their I (0: the order as given,
+    the same plan as ``budget``)."""
 
     @property
     def evaluated(self) -> bool:
@@ -236,7 +247,8 @@ def plan(
     dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (parameters and activations; AdamW state in fp32).
     schedules: names (default: all of ours and torch's: `pp_offload.plan.orders.SCHEDULES`).
     offload: policies (default ``none``, ``selective:0.25``, ``selective:0.5``, ``full``, ``budget`` (as many
-        layers per chunk as hide within 3% step time), ``budget:auto:0.1`` (within 10%)). Offload
+        layers per chunk as hide within 3% step time), ``budget:auto:0.1`` (within 10%), ``budget:close-w``
+        (budget, also on offload-aware orders with W moved next to I: `pp_offload.order.zb_offload`)). Offload
         candidates that move nothing, or cost time without lowering the activation peak, are marked
         (``Candidate.useless``) and never recommended; torch's single-stage schedules get no offload rows.
     dp_shard: optimizer state and master weights sharded over ``dp`` (ZeRO-1/2, FSDP2 under PP).
@@ -389,6 +401,9 @@ def _mark_useless(candidates: list[Candidate]) -> None:
         if c.offload != "none" and c.offloaded_share == 0:
             c.useless = "moves nothing: no chunk's forward-to-backward window hides a copy out and back"
             continue
+        if c.offload.endswith(":close-w") and c.pulled_w == 0:
+            c.useless = "moves no W next to its I: the plan of the order as given (as without close-w)"
+            continue
         for base, what in (
             (plain.get((c.name, c.recompute)) if c.offload != "none" else None, "without offload"),
             (plain.get((c.name, "none")) if c.recompute != "none" else None, "without recompute"),
@@ -463,6 +478,8 @@ def _policies(offload: Iterable[Any] | None) -> list[tuple[str, Any]]:
                 label = "budget"
             else:
                 label = f"budget:auto:{policy.max_slowdown:g}"
+            if policy.close_w:
+                label += ":close-w"
         elif policy.count is not None:
             label = f"selective:{policy.count} chunks"
         else:
@@ -659,6 +676,7 @@ def _fill(cand: Candidate, setup: Setup, results, num_microbatches: int, limit_b
     cand.reload_wait = summary["reload_wait"]
     cand.offloaded_share = summary["offloaded_share"]
     cand.moved_share = summary["moved_share"]
+    cand.pulled_w = summary["pulled_w"]
     cand.extrapolated = summary["extrapolated"]
     for rank, act in enumerate(cand.activation):
         state = setup.state[rank]

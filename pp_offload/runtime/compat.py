@@ -252,6 +252,15 @@ def lowered_order(schedule: _PipelineScheduleRuntime) -> dict[int, list[_Action]
     return order
 
 
+def relower(schedule: _PipelineScheduleRuntime, order: Mapping[int, list[Any]]) -> None:
+    """Replace the schedule's compute order with ``order`` (same passes, another sequence: e.g. W moved next
+    to I by offload-aware orders) and lower it again with torch's ``_prepare_schedule_with_comms``, which
+    validates it and rebuilds SEND/RECV, REDUCE_GRAD and (FSDP) UNSHARD/RESHARD around the new sequence."""
+    order = {int(rank): list(actions) for rank, actions in order.items()}
+    schedule.pipeline_order = order
+    schedule._prepare_schedule_with_comms(order)
+
+
 def schedule_stages(schedule: _PipelineScheduleRuntime) -> list[Any]:
     """The stages this rank's schedule drives (multi-stage runtime schedules, or a single-stage one)."""
     stages = getattr(schedule, "_stages", None)

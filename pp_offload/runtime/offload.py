@@ -18,6 +18,11 @@
 A RELOAD missing from an order makes the backward fail with an error naming the chunk, never a wrong
 gradient.
 
+Offload-aware orders (``offload="budget:close-w"``, `pp_offload.order.zb_offload`): when the plan moves
+the W of some chunks right after their I, the schedule's compute order is rewritten the same way and
+lowered again by torch (`pp_offload.runtime.compat.relower`) before the OFFLOAD/RELOAD actions go in, so
+the runtime executes the plan's sequence pass for pass.
+
 Budget mode (``offload="budget"``, ``"budget:0.5"``; `pp_offload.order.offload`) moves each chunk's
 earliest layers instead of the whole chunk, as `pp_offload.sim` models it: the stage's layers are its
 module's largest ``nn.ModuleList`` (Hugging Face's ``model.layers``, GPT-2's ``h``) or, for an
@@ -54,6 +59,7 @@ from torch import nn
 from pp_offload.order.actions import Costs
 from pp_offload.order.offload import OffloadPlan, plan_offload, resolve_offload
 from pp_offload.order.offload_inputs import OffloadInputs
+from pp_offload.order.zb_offload import pull_weight_passes
 from pp_offload.runtime import compat
 from pp_offload.runtime.store import ActivationStore
 from pp_offload.sim import as_executed_by_torch
@@ -135,6 +141,9 @@ def enable_offload(
     if costs.transfer == 0:
         costs = dataclasses.replace(costs, transfer=_DEFAULT_TRANSFER * costs.F)
     plan = plan_offload(as_executed_by_torch(schedule.pipeline_order), costs, policy, **kwargs)
+    if plan.pulled:  # offload-aware order (close_w): run the plan's sequence, W right after I where it moved
+        pulled = [key for keys in plan.pulled.values() for key in keys]
+        compat.relower(schedule, pull_weight_passes(schedule.pipeline_order, pulled))
     _insert_into_lowered_order(schedule, plan)
 
     store = ActivationStore(device if device is not None else stages[0].device)
