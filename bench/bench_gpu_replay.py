@@ -63,6 +63,8 @@ DEFAULT_CONFIGS = (
     "ScheduleVHalf/none/selective",
     "ScheduleVHalf/budget:auto:0.1/selective",
     "ScheduleVHalf/none/full",
+    "ScheduleVHalf/none/mlp",
+    "ScheduleVHalf/budget:auto:0.1/selective:0.75,mlp",
     "ScheduleVZB/none/none",
     "ScheduleVZB/budget:auto:0.1/selective",
     "Interleaved1F1B/none/none",
