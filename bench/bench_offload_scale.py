@@ -230,7 +230,7 @@ def recompute_group_rows(seq: int = 4096) -> list[dict]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"part_a": [], "part_b": [], "groups": recompute_group_rows()}
+    out: dict[str, Any] = {"part_a": [], "part_b": [], "part_c": [], "groups": recompute_group_rows()}
     seqs = (4096,) if quick else (4096, 16384)
     for machine in ("H100",) if quick else MACHINES_8B:
         # the H100 rows with every offload policy; the other machines with the budget ones
@@ -264,7 +264,28 @@ def run(quick: bool) -> dict[str, Any]:
                 recompute={"selective": ("budget@0.1",), "full": ()},
             )
             print(f"  70B pp {pp} {SHORT[schedule]}: done", file=sys.stderr)
+    if not quick:
+        out["part_c"] = depth_on_other_links()
     return out
+
+
+def depth_on_other_links() -> list[dict]:
+    """Llama-3-70B (seq 8192, m = 2 pp) with budget offload and no recompute on the GH200 and A100 presets:
+    whether the peak stops growing with depth where the host link is fast (the PipeOffload paper's claim;
+    on the H100 preset k = 1.37 > 1, full offload is not free and Interleaved1F1B's peak grows)."""
+    from pp_offload.plan.machines import resolve_machine
+
+    rows = []
+    for machine in ("GH200", "A100"):
+        for pp in (4, 8, 16):
+            for schedule in ("ScheduleVHalf", "ScheduleInterleaved1F1B"):
+                kw = {"machine": machine, "seq": 8192, "pp": pp, "m": 2 * pp, "schedule": schedule}
+                found = evaluate(LLAMA_70B, **kw, policies=("budget",))
+                for row in found:
+                    row.update(machine=machine, seq=8192, pp=pp)
+                rows += finish(found, resolve_machine(machine).host_bandwidth)
+            print(f"  70B {machine} pp {pp}: done", file=sys.stderr)
+    return rows
 
 
 def _name(r: dict) -> str:
@@ -432,6 +453,29 @@ def report(out: dict[str, Any]) -> str:
             f"{best['need_ratio']['50%']:>14.2f}  {plain['activation_gib']:.1f} GiB ({_name(plain)}, "
             f"{100 * plain['slowdown']:+.1f}%)"
         )
+    if out.get("part_c"):
+        lines.append(
+            "\nLlama-3-70B, seq 8192, m = 2 pp, budget offload, no recompute: activation peak per rank (GiB) "
+            "by depth on faster host links"
+        )
+        head = f"{'machine':<8}{'schedule':<17}" + "".join(f"{'pp ' + str(p):>22}" for p in (4, 8, 16))
+        lines += [head, "-" * len(head)]
+        for machine in dict.fromkeys(r["machine"] for r in out["part_c"]):
+            for schedule in dict.fromkeys(r["schedule"] for r in out["part_c"]):
+                cells = []
+                for pp in (4, 8, 16):
+                    rows = [
+                        r
+                        for r in out["part_c"]
+                        if (r["machine"], r["schedule"], r["pp"]) == (machine, schedule, pp)
+                    ]
+                    plain = next(r for r in rows if r["policy"] == "none")
+                    budget = next(r for r in rows if r["policy"] == "budget")
+                    cells.append(
+                        f"{plain['activation_gib']:.0f} -> {budget['activation_gib']:.1f} "
+                        f"({100 * budget['slowdown']:+.1f}%)"
+                    )
+                lines.append(f"{machine:<8}{schedule:<17}" + "".join(f"{c:>22}" for c in cells))
     lines.append(
         "\ncolumns: cut = 1 - peak / peak without offload or recompute; slower = step time vs the same; "
         "sel/full = selective/full activation recompute of every layer, sel:S = selective recompute of the "
