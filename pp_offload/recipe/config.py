@@ -128,10 +128,12 @@ class TrainConfig:
             (each layer recomputed from its input, which is all it saves); ``selective`` (each layer keeps
             its matmul and attention outputs and recomputes only norms, rotary, activation functions and
             products: under half of a plain layer's saved bytes for Llama and Qwen2 (46%), 36% for
-            GPT-2, for some recompute time); either on the first share of each stage's layers,
-            ``selective:0.75`` (the others keep everything: memory in steps of one layer per stage, for
-            that share of the recompute time). All compose with ``pipeline.offload``: what a layer keeps
-            moves with its chunk (or layer, with a budget policy).
+            GPT-2, for some recompute time); ``mlp`` (only each layer's MLP activation and gated product:
+            the op group that frees the most bytes per byte of recompute traffic); either on the first
+            share of each stage's layers, ``selective:0.75`` (the others keep everything: memory in steps
+            of one layer per stage, for that share of the recompute time), with a second mode for the
+            others, ``selective:0.75,mlp``. All compose with ``pipeline.offload``: what a layer keeps moves
+            with its chunk (or layer, with a budget policy).
         seed: Seed of the weights' initialisation and of the batch order.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         timeout_s: Collective timeout in seconds: a stuck or missing rank fails the job instead of
