@@ -95,33 +95,13 @@ def evaluate(
     """One schedule with one recompute mode under every policy: step time, activation peak, bytes moved.
     A policy ``"budget@X"`` is budget offload within a step ``X`` slower than ``base_step_s`` (the
     schedule without recompute or offload: the caller's), i.e. what is left of X after the recompute."""
-    from pp_offload.plan.evaluate import (
-        build_orders,
-        combine,
-        evaluate_orders,
-        setup_schedule,
-        simulation_sizes,
-    )
-    from pp_offload.plan.machines import resolve_machine
-    from pp_offload.plan.memory import precision
-    from pp_offload.plan.model import model_spec
+    from pp_offload.plan.evaluate import build_orders, combine, evaluate_orders, simulation_sizes
+    from pp_offload.plan.handoff import planner_setup
 
-    mach = resolve_machine(machine)
-    setup = setup_schedule(
-        schedule,
-        spec=model_spec(config),
-        machine=mach,
-        precision=precision("bf16"),
-        seq_len=seq,
-        microbatch_size=1,
-        num_microbatches=m,
-        pp=pp,
-        dp=1,
-        dp_shard=False,
-        virtual_stages=2,
-        reserve=0,
-        recompute=recompute,
-    )
+    setup = planner_setup(
+        config, schedule=schedule, pp=pp, seq_len=seq, microbatch_size=1, num_microbatches=m,
+        machine=machine, recompute=recompute,
+    )  # fmt: skip
     sizes = simulation_sizes(pp, m)
     orders = build_orders(setup, sizes, search="auto", virtual_stages=2)
     if orders.error:

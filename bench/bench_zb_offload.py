@@ -70,25 +70,13 @@ SEQS = (4096, 16384)
 
 
 def _setup(schedule: str, machine: str, seq: int) -> tuple[Any, Any]:
-    from pp_offload.plan.evaluate import build_orders, setup_schedule, simulation_sizes
-    from pp_offload.plan.machines import resolve_machine
-    from pp_offload.plan.memory import precision
-    from pp_offload.plan.model import model_spec
+    from pp_offload.plan.evaluate import build_orders, simulation_sizes
+    from pp_offload.plan.handoff import planner_setup
 
-    setup = setup_schedule(
-        schedule,
-        spec=model_spec(LLAMA_8B),
-        machine=resolve_machine(machine),
-        precision=precision("bf16"),
-        seq_len=seq,
-        microbatch_size=1,
-        num_microbatches=16,
-        pp=4,
-        dp=1,
-        dp_shard=False,
-        virtual_stages=2,
-        reserve=0,
-    )
+    setup = planner_setup(
+        LLAMA_8B, schedule=schedule, pp=4, seq_len=seq, microbatch_size=1, num_microbatches=16,
+        machine=machine,
+    )  # fmt: skip
     orders = build_orders(setup, simulation_sizes(4, 16), search="auto", virtual_stages=2)
     if orders.error:
         raise RuntimeError(f"{schedule}: {orders.error}")

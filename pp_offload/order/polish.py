@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pp_offload.order.actions import Costs, F, I, Order, W
+from pp_offload.order.actions import Costs, F, Order, W
 from pp_offload.order.replay import replay_ranks
-from pp_offload.sim import OrderDeadlockError
+from pp_offload.sim import OrderDeadlockError, dependency
 
 __all__ = ["Polished", "polish_order"]
 
@@ -116,29 +116,20 @@ def _resource_edges(order: Order, costs: Costs, starts: dict) -> list[tuple[int,
     def end(key: tuple) -> float:
         return starts[key] + costs.of_stage(key[0], key[1])
 
-    def dependency(stage: int, kind: str, mb: int) -> tuple[tuple, float] | None:
-        if kind == F:
-            return None if stage == 0 else ((stage - 1, F, mb), 0.0 if stage == d else costs.comm)
-        if kind == I:
-            if stage == last:
-                return (stage, F, mb), 0.0
-            return (stage + 1, I, mb), 0.0 if stage == d - 1 else costs.comm
-        return (stage, I, mb), 0.0
-
     key = max(starts, key=lambda k: (end(k), k))
     edges = []
     while True:
         rank, p = rank_of[key[0]], where[key]
         start = starts[key]
-        dep = dependency(*key)
-        ready = 0.0 if dep is None else end(dep[0]) + dep[1]
+        dep = dependency(*key, 2 * d)
+        ready = 0.0 if dep is None else end(dep) + (costs.comm if rank_of[dep[0]] != rank else 0.0)
         prev = order[rank][p - 1] if p > 0 else None
         prev_key = None if prev is None else (prev[0], prev[1], prev[2])
         if prev_key is not None and abs(end(prev_key) - start) < _EPS and ready < start - _EPS:
             edges.append((rank, p))  # waited for its rank
             key = prev_key
         elif dep is not None and abs(ready - start) < _EPS:
-            key = dep[0]  # waited for its dependency
+            key = dep  # waited for its dependency
         elif prev_key is not None:
             key = prev_key  # neither (an idle gap before it): go on along its rank
         else:

@@ -594,8 +594,7 @@ class _Curve:
             found = polish_order(base.order, self.costs, c, max_trials=_polish_trials(self.d, self.m))
             return found.makespan, found.peak, pack(found.order), found.bound
 
-        weights = [float(self.m)] * len(jobs)
-        results = spread_map(gather, run, jobs, weights, first=self._next_batch())
+        results = spread_map(gather, run, jobs, first=self._next_batch())
         for (c, base), (makespan, peak, order, bound) in zip(jobs, results, strict=True):
             self.polish_of[c] = (base, bound)
             if makespan < base.makespan - 1e-9:
