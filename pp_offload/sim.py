@@ -35,6 +35,9 @@ right after its F, then issues nothing; its RELOAD copies the moved layers back 
 order the backward needs them), and the backward pass runs layer by layer, each layer's share of the
 pass starting no earlier than that layer's reload has ended: the chunk's own backward of its later
 layers hides part of the reload.
+The "layers" may be finer offload units (``granularity="sublayer"``: each decoder layer's attention half,
+then the rest); units differ in compute, so `LayeredChunk.compute` gives each unit's share of the passes
+(default: equal shares), which times both its copy's issue and its part of the backward.
 
 A second OFFLOAD of a chunk after its RELOAD (zero-bubble orders, between I and W: W still needs the
 saved tensors) copies nothing: the host copy is still exact, so the device copy is dropped at once; a
@@ -113,6 +116,11 @@ class LayeredChunk:
     moved: int
     layers: int
     layer_copy: float | tuple[float, ...] | None = None
+    compute: tuple[float, ...] | None = None
+    """Each unit's share of the chunk's passes, first unit first (summing to 1), where units differ in
+    compute: sub-layer units (a layer's attention half, then its MLP half, `pp_offload.order.offload`
+    ``granularity="sublayer"``). Unit ``i``'s copy out is issued when the forward has run the shares of
+    units ``0..i``, and the backward runs unit ``i`` for its share of the pass. None: equal shares."""
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
@@ -132,6 +140,18 @@ class LayeredChunk:
         for c in copies if isinstance(copies, tuple) else (copies,):
             if c is not None and not c >= 0:
                 raise ValueError(f"layer_copy must be a number >= 0 (cost units), got {self.layer_copy!r}")
+        if self.compute is not None:
+            shares = tuple(float(x) for x in self.compute)
+            object.__setattr__(self, "compute", shares)
+            if len(shares) != self.layers or any(not x >= 0 for x in shares) or abs(sum(shares) - 1) > 1e-6:
+                raise ValueError(
+                    f"compute must hold {self.layers} shares >= 0 summing to 1 (one per unit), got "
+                    f"{self.compute!r}"
+                )
+
+    def shares(self) -> tuple[float, ...]:
+        """Each unit's share of the chunk's passes (equal without ``compute``)."""
+        return self.compute if self.compute is not None else (1.0 / self.layers,) * self.layers
 
     def copy_time(self, layer: int, default: float) -> float:
         """One-way copy time of ``layer`` (``default``: the chunk's copy time over its layers)."""
@@ -370,6 +390,7 @@ def _simulate_with_transfers(
     offload_end: dict[tuple[int, int], float] = {}
     reload_end: dict[tuple[int, int], float] = {}
     layer_ready: dict[tuple[int, int], list[float]] = {}  # layered: per layer, when its reload ends
+    shares: dict[tuple[int, int], tuple[float, ...]] = {}  # layered: each unit's share of the passes
     f_span: dict[tuple[int, int], tuple[float, float]] = {}
     layer_transfers: dict[int, list] = {r: [] for r in ranks}
 
@@ -377,6 +398,7 @@ def _simulate_with_transfers(
         r: int, action, kind: str, key: tuple[int, int], spec: LayeredChunk, now: float
     ) -> None:
         free, unit = lane[r], scale / spec.layers
+        shares.setdefault(key, spec.shares())
         c = [spec.copy_time(i, copy / spec.layers) for i in range(spec.layers)]
         if spec.moved == 0:
             transfers[r].append((action, now, now))
@@ -396,8 +418,10 @@ def _simulate_with_transfers(
             return
         if kind == OFFLOAD:  # layer i's copy was issued when its forward ended, during the F pass
             f_start, f_end = f_span[key]
+            done = 0.0
             for i in range(spec.moved):
-                start = max(f_start + (i + 1) * (f_end - f_start) / spec.layers, free[0])
+                done += shares[key][i]
+                start = max(f_start + done * (f_end - f_start), free[0])
                 free[0] = finish = start + c[i]
                 extra[r].append((finish, -unit))
                 layer_transfers[r].append((action, i, start, finish))
@@ -466,10 +490,10 @@ def _simulate_with_transfers(
                     ready_layers = layer_ready.get((stage, mb))
                     if ready_layers is not None:  # layer by layer, last layer first
                         n = len(ready_layers)
-                        step = duration[r][pos[r]] / n
+                        share = shares[(stage, mb)]
                         t = ready
                         for layer in range(n - 1, -1, -1):
-                            t = max(t, ready_layers[layer]) + step
+                            t = max(t, ready_layers[layer]) + share[layer] * duration[r][pos[r]]
                         finish = t
                         wait[r] += finish - (ready + duration[r][pos[r]])
                     else:

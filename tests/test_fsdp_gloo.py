@@ -54,6 +54,7 @@ PLAN_CELLS = (
     ("mlp", "ScheduleVHalf", "budget:1"),
     ("selective:0.5,mlp", "ScheduleVZB", "budget:1"),
 )
+SUBLAYER_CELLS = ("ScheduleVZB",)  # sub-layer budget offload: each stage's layer as two units
 LR = 0.5  # large, so that a step taken with a wrong gradient or a stale parameter shows
 RTOL, ATOL = 1e-5, 1e-6  # fp32: the pipelined run sums microbatches and dp ranks in another order
 
@@ -275,6 +276,8 @@ def _matrix_worker(rank: int, world: int, schedules: tuple[str, ...], offloads: 
         )
     for plan, name, offload in PLAN_CELLS:
         out[(plan, name, offload)] = _run_one(mesh, name, offload, layers=AC_LAYERS, checkpointing=plan)
+    for name in SUBLAYER_CELLS:
+        out[("sublayer", name)] = _run_one(mesh, name, "budget:1:sublayer")
     out["bf16"] = _run_one(mesh, "ScheduleVHalf", "full", mixed_precision="bf16")
     out["sgd"] = _run_one(mesh, "ScheduleVHalf", "full", sgd_steps=2)
     out["sgd_loop"] = _run_one(mesh, "ScheduleInterleaved1F1B", None, sgd_steps=2)
@@ -390,6 +393,24 @@ def test_recompute_plans_with_budget_offload(plan: str, schedule: str, offload: 
         assert cached == {2}, cached
     else:
         assert 8 in cached and cached <= {rest, 8}, cached
+
+
+@pytest.mark.parametrize("schedule", SUBLAYER_CELLS)
+def test_sublayer_budget_offload_under_fsdp(schedule: str) -> None:
+    """Sub-layer budget offload under FSDP (the attention child found inside FSDP's layer units): the same
+    loss and gradients as one process; chunks moved as two units, the attention half and the rest, each
+    leaving FSDP's unsharded weights of its half in place (q, k, v, o and the input norm; gate, up,
+    down and the post-attention norm)."""
+    results = [r[("sublayer", schedule)] for r in _matrix()]
+    _check_run(results, f"{schedule} offload=budget:1:sublayer")
+    for r in results:
+        units = {}
+        for key, stats in r["chunks"]:
+            units.setdefault(key[:2], {})[key[2]] = stats.kept["parameter"]
+        # the earliest unit first; both where the chunk's window hides them (not the V's turn, stage 3)
+        assert units and all(set(u) in ({0}, {0, 1}) for u in units.values()), units
+        assert any(set(u) == {0, 1} for u in units.values()), units
+        assert all(u[0] >= 5 and u.get(1, 4) >= 4 for u in units.values()), units
 
 
 def test_optimizer_steps_and_accumulation() -> None:

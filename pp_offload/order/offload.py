@@ -58,11 +58,13 @@ __all__ = [
 ]
 
 MODES = ("none", "full", "selective", "auto", "budget")
+GRANULARITIES = ("layer", "sublayer")
 LANES = ("duplex", "shared")
 CHOICES = ("peak", "lifespan")
 _DEFAULT_SELECTIVE_FRACTION = 0.5
 _DEFAULT_MAX_SLOWDOWN = 0.03
 _CLOSE_W = "close-w"
+_SUBLAYER = "sublayer"
 _REFINE_ROUNDS = 32
 _EPS = 1e-9
 
@@ -90,6 +92,14 @@ class OffloadPolicy:
         again in between (W still needs its saved tensors; their host copy is exact, so this OFFLOAD
         copies nothing) and is reloaded before W, where the gap is longer than the reload. Zero-bubble
         orders keep every chunk from I to W; this is what lets offload reach that span.
+    granularity:
+        budget: the offload unit. ``"layer"``: whole decoder layers. ``"sublayer"``: each layer splits at
+        the return of its attention submodule into two units, the attention half (everything the layer
+        saves up to and including its attention) and the rest (post-attention norm, MLP), so the first
+        unit a chunk moves costs a fraction of a layer's copy; a layer without one attention child, or
+        checkpointed as a whole (full or selective recompute), stays one unit. The caller gives
+        ``plan_offload`` the stages' units (``layers``, ``layer_copy``, ``unit_compute``): the planner's
+        `pp_offload.plan.evaluate.Setup.offload_inputs` and the runtime's ``enable_offload`` build them.
     close_w:
         budget without ``fraction``, orders with split backward: also try offload-aware versions of the
         order, with the held-back W passes moved right after their I (rank by rank), and keep the one
@@ -139,6 +149,7 @@ class OffloadPolicy:
     max_slowdown: float = _DEFAULT_MAX_SLOWDOWN
     drop_after_i: bool = True
     close_w: bool = False
+    granularity: str = "layer"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -181,6 +192,16 @@ class OffloadPolicy:
             raise ValueError(
                 f"offload mode 'budget' moves a share of each chunk's layers: give a fraction, not a count "
                 f"(got count={self.count})"
+            )
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(
+                f"offload granularity must be 'layer' (whole decoder layers) or 'sublayer' (attention half, "
+                f"then the rest, of each layer), got {self.granularity!r}"
+            )
+        if self.granularity != "layer" and self.mode != "budget":
+            raise ValueError(
+                f"granularity={self.granularity!r} sets budget offload's unit; mode {self.mode!r} moves "
+                "whole chunks: use mode='budget' (e.g. 'budget:sublayer')"
             )
         if not isinstance(self.drop_after_i, bool):
             raise ValueError(f"drop_after_i must be True or False, got {self.drop_after_i!r}")
@@ -292,7 +313,8 @@ def resolve_offload(value: Any) -> OffloadPolicy:
     Accepts ``None``/``False``/``"none"``, ``True``/``"full"``, ``"selective"`` (half the chunks),
     ``"selective:0.25"``, ``"auto"``, ``"budget"`` (layer by layer, within 3% step time),
     ``"budget:0.5"`` (half of each chunk's layers), ``"budget:auto:0.1"`` (within 10%), ``"budget:close-w"``
-    or ``"budget:auto:0.1:close-w"`` (also offload-aware orders: ``close_w``), a float fraction
+    or ``"budget:auto:0.1:close-w"`` (also offload-aware orders: ``close_w``), any budget form followed by
+    ``":sublayer"`` (units of half a layer: ``granularity``, e.g. ``"budget:sublayer"``), a float fraction
     in [0, 1] (selective), a dict of `OffloadPolicy` fields (``{"mode": "selective", "count": 2}``;
     ``mode`` defaults to selective when a fraction or count is given) or an `OffloadPolicy`.
     """
@@ -344,7 +366,12 @@ def resolve_offload(value: Any) -> OffloadPolicy:
 
 
 def _parse_budget(value: str, tail: str) -> OffloadPolicy:
-    """``budget:<fraction>``, ``budget:auto:<max_slowdown>``, either auto form with ``:close-w``."""
+    """``budget:<fraction>``, ``budget:auto:<max_slowdown>``, either auto form with ``:close-w``, any of
+    them with ``:sublayer``."""
+    if tail == _SUBLAYER or tail.endswith(":" + _SUBLAYER):
+        base = tail.removesuffix(_SUBLAYER).rstrip(":")
+        policy = _parse_budget(value, base) if base else OffloadPolicy("budget")
+        return replace(policy, granularity="sublayer")
     if tail == _CLOSE_W or tail.endswith(":" + _CLOSE_W):
         base = tail.removesuffix(_CLOSE_W).rstrip(":")
         policy = _parse_budget(value, base) if base else OffloadPolicy("budget")
@@ -364,7 +391,7 @@ def _parse_budget(value: str, tail: str) -> OffloadPolicy:
         raise ValueError(
             f"cannot read offload={value!r}; write 'budget:0.5' (share of each chunk's layers) or "
             f"'budget:auto:0.1' (as many layers as fit within a 10% slower step), optionally followed by "
-            f"':close-w' (also offload-aware orders)"
+            f"':close-w' (also offload-aware orders) and/or ':sublayer' (units of half a layer)"
         ) from None
 
 
@@ -430,6 +457,7 @@ def plan_offload(
     layers: int | Sequence[int] | Mapping[int, int] | None = None,
     layer_copy: float | Sequence[float] | Mapping[int, float] | None = None,
     peaks: Callable[[SimResult, Mapping[tuple[int, int], LayeredChunk]], Mapping[int, float]] | None = None,
+    unit_compute: Sequence[Sequence[float] | None] | Mapping[int, Sequence[float] | None] | None = None,
 ) -> OffloadPlan:
     """Choose the chunks to offload in ``order`` and insert their OFFLOAD/RELOAD actions.
 
@@ -450,7 +478,10 @@ def plan_offload(
     then times each; default: the chunk's ``costs.transfer`` share of one layer); ``peaks``: the
     per-rank peak the budget lowers, from a replay and its layered chunks (the planner passes the peak
     in bytes, with each stage's real bytes; default: the simulator's chunk units, in which every chunk
-    weighs the same). Whole-chunk modes ignore all three, so a caller can pass them whatever the policy.
+    weighs the same); ``unit_compute``: per stage, each unit's share of the stage's passes (None entries:
+    equal shares), where the units differ in compute (sub-layer units: `OffloadPolicy.granularity`; then
+    ``layers`` counts units and ``layer_copy`` gives each unit's copy). Whole-chunk modes ignore all four,
+    so a caller can pass them whatever the policy.
     """
     compute = _compute_order(order)
     costs = Costs.coerce(costs)
@@ -462,19 +493,27 @@ def plan_offload(
         from pp_offload.order.zb_offload import plan_close_w
 
         def budget(order: Mapping[int, list[Action]], inner: OffloadPolicy) -> OffloadPlan:
-            return plan_offload(order, costs, inner, layers=layers, layer_copy=layer_copy, peaks=peaks)
+            return plan_offload(
+                order,
+                costs,
+                inner,
+                layers=layers,
+                layer_copy=layer_copy,
+                peaks=peaks,
+                unit_compute=unit_compute,
+            )
 
         def peaks_of(p: OffloadPlan) -> Mapping[int, float]:
             return dict(p.sim.peak_memory) if peaks is None else peaks(p.sim, p.layered)
 
         return plan_close_w(compute, costs, policy, budget, peaks_of)
     if policy.mode == "budget":
-        plan = _plan_budget(compute, costs, policy, layers, layer_copy, peaks)
+        plan = _plan_budget(compute, costs, policy, layers, layer_copy, peaks, unit_compute)
         if policy.fraction is None and policy.max_slowdown > _DEFAULT_MAX_SLOWDOWN:
             # the search is greedy: a looser limit can end at the same peak for more time than the default
             # one reaches; never return worse than the default limit's plan
             strict = replace(policy, max_slowdown=_DEFAULT_MAX_SLOWDOWN)
-            other = _plan_budget(compute, costs, strict, layers, layer_copy, peaks)
+            other = _plan_budget(compute, costs, strict, layers, layer_copy, peaks, unit_compute)
             if _plan_lower(other, plan, peaks):
                 plan = replace(other, policy=policy)
         return plan
@@ -542,7 +581,7 @@ def _per_stage(value: Any, num_stages: int, name: str, *, integer: bool) -> list
 
 
 def _plan_budget(
-    compute, costs: Costs, policy: OffloadPolicy, layers, layer_copy, peaks_of=None
+    compute, costs: Costs, policy: OffloadPolicy, layers, layer_copy, peaks_of=None, unit_compute=None
 ) -> OffloadPlan:
     """Budget mode: every chunk moves its earliest layers, as many as ``policy`` allows (module doc)."""
     num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
@@ -553,6 +592,7 @@ def _plan_budget(
             "or one per stage) to plan_offload; enable_offload counts them on the stage modules"
         )
     copies = _per_stage(layer_copy, num_stages, "layer_copy", integer=False)
+    shares = _unit_shares(unit_compute, counts)
     base = simulate(compute, costs)
     scale = 2.0 * len(compute) / num_stages
     chunks: dict[int, list[_Chunk]] = {}
@@ -568,6 +608,7 @@ def _plan_budget(
             c.layer_copy = copies[c.key[0]] if copies is not None else costs.transfer * scale / n
             if isinstance(c.layer_copy, (list, tuple)):  # per layer: exact in the replay, the first for
                 c.layer_copies, c.layer_copy = tuple(c.layer_copy), c.layer_copy[0]  # the placement
+            c.shares = shares[c.key[0]]
             _, b_start, b_end = timeline[c.back_index]
             c.back_duration = b_end - b_start
             c.fit = _layers_that_fit(c, c.back_start, policy.reload_margin)
@@ -593,7 +634,7 @@ def _plan_budget(
                         c.moved = max(0, min(c.layers, c.moved + extra.get((c.key[0], c.key[1] % 2), 0)))
                 if c.moved == 0:
                     continue
-                moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copies or c.layer_copy)
+                moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copies or c.layer_copy, c.compute)
                 c.slot = _layered_slot(c, base.timeline[rank], policy)
                 c.w_slot = _w_slot(c, base.timeline[rank], policy.reload_margin) if drop_after_i else -1
                 reloads[rank][c.key] = c
@@ -749,25 +790,50 @@ def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: 
     return chosen
 
 
+def _unit_shares(unit_compute: Any, counts: list[int]) -> list[tuple[float, ...]]:
+    """Per stage, each unit's share of the stage's passes (``unit_compute`` entries, else equal shares)."""
+    given = _per_stage(unit_compute, len(counts), "unit_compute", integer=False) if unit_compute else None
+    out = []
+    for s, n in enumerate(counts):
+        entry = given[s] if given is not None else None
+        if entry is None:
+            out.append((1.0 / n,) * n if n else ())
+            continue
+        entry = tuple(float(x) for x in entry)
+        if len(entry) != n or abs(sum(entry) - 1.0) > 1e-6:
+            raise ValueError(
+                f"unit_compute[{s}] must hold {n} shares summing to 1 (one per unit), got {entry!r}"
+            )
+        out.append(entry)
+    return out
+
+
 def _offload_end(c: _Chunk, k: int) -> float:
-    """When the copy of the chunk's first ``k`` layers ends, each issued at its layer's forward end
+    """When the copy of the chunk's first ``k`` units ends, each issued at its unit's forward end
     (idle lane)."""
     t = c.f_start
-    step = (c.f_end - c.f_start) / c.layers
+    done = 0.0
     for i in range(k):
-        t = max(c.f_start + (i + 1) * step, t) + c.layer_copy
+        done += c.shares[i]
+        t = max(c.f_start + done * (c.f_end - c.f_start), t) + c.copy_of(i)
     return t
 
 
 def _latest_reload_start(
     c: _Chunk, k: int, back_start: float, margin: float, duration: float | None = None
 ) -> float:
-    """The latest start of a reload of layers k-1..0 (in that order) that still ends every layer
-    ``margin`` layer-backwards before the backward (of ``duration``, default the first) reaches it."""
-    step = (c.back_duration if duration is None else duration) / c.layers
-    return min(
-        back_start + (c.layers - 1 - j) * step - margin * step - (k - j) * c.layer_copy for j in range(k)
-    )
+    """The latest start of a reload of units k-1..0 (in that order) that still ends every unit
+    ``margin`` unit-backwards before the backward (of ``duration``, default the first) reaches it."""
+    span = c.back_duration if duration is None else duration
+    latest, before, copied = math.inf, 0.0, 0.0
+    after = [0.0] * c.layers  # share of the backward before it reaches unit j (later units first)
+    for j in range(c.layers - 1, -1, -1):
+        after[j] = before
+        before += c.shares[j]
+    for j in range(k - 1, -1, -1):
+        copied += c.copy_of(j)
+        latest = min(latest, back_start + (after[j] - margin * c.shares[j]) * span - copied)
+    return latest
 
 
 def _layers_that_fit(c: _Chunk, back_start: float, margin: float) -> int:
@@ -837,7 +903,7 @@ def _w_slot(c: _Chunk, timeline, margin: float) -> int:
     for slot in range(c.w_index, c.i_index, -1):
         issue = timeline[slot - 1][2]
         if issue <= latest + _EPS:
-            return slot if issue - i_end >= c.moved * c.layer_copy - _EPS else -1
+            return slot if issue - i_end >= sum(map(c.copy_of, range(c.moved))) - _EPS else -1
     return -1
 
 
@@ -858,6 +924,7 @@ class _Chunk:
     layers: int = 0
     layer_copy: float = 0.0
     layer_copies: tuple[float, ...] | None = None  # per layer, when they differ (the replay uses them)
+    shares: tuple[float, ...] = ()  # each unit's share of the chunk's passes
     back_duration: float = 0.0
     fit: int = 0
     moved: int = 0
@@ -869,6 +936,15 @@ class _Chunk:
     @property
     def lifespan(self) -> float:
         return self.free_end - self.f_start
+
+    @property
+    def compute(self) -> tuple[float, ...] | None:
+        """The shares for `LayeredChunk.compute` (None where they are equal: the plain layer model)."""
+        return None if len(set(self.shares)) <= 1 else self.shares
+
+    def copy_of(self, unit: int) -> float:
+        """Unit ``unit``'s one-way copy time."""
+        return self.layer_copies[unit] if self.layer_copies is not None else self.layer_copy
 
     @property
     def window(self) -> float:

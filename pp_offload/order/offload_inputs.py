@@ -80,12 +80,21 @@ class OffloadInputs:
     stage_bytes: every stage's bytes (`StageBytes`); budget offload then lowers the per-rank peak in bytes
         (`activation_peaks`), as the planner reports it. ``None``: the simulator's chunk units (every chunk
         weighs the same).
+    granularity: the offload unit these figures count (`pp_offload.order.offload.OffloadPolicy.granularity`):
+        ``"layer"``, or ``"sublayer"``, where ``layers`` counts each stage's units (two per decoder layer
+        that splits at its attention, one per layer that does not), and ``layer_copy`` and
+        ``StageBytes.per_layer`` hold one entry per unit. A budget policy must use the granularity its
+        inputs were built for.
+    unit_compute: per stage, each unit's share of the stage's passes (None: equal shares), where units
+        differ in compute (sub-layer units: an attention half and an MLP half).
     """
 
     costs: Costs
     layers: tuple[int, ...]
     layer_copy: tuple[float | tuple[float, ...], ...]
     stage_bytes: tuple[StageBytes, ...] | None = field(default=None)
+    granularity: str = "layer"
+    unit_compute: tuple[tuple[float, ...] | None, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "costs", Costs.coerce(self.costs))
@@ -116,6 +125,21 @@ class OffloadInputs:
                 raise ValueError(
                     f"OffloadInputs.layer_copy[{s}] has {len(c)} entries for {self.layers[s]} layers"
                 )
+        if self.granularity not in ("layer", "sublayer"):
+            raise ValueError(
+                f"OffloadInputs.granularity must be 'layer' or 'sublayer', got {self.granularity!r}"
+            )
+        if self.unit_compute is not None:
+            shares = tuple(None if c is None else tuple(float(x) for x in c) for c in self.unit_compute)
+            object.__setattr__(self, "unit_compute", shares)
+            if len(shares) != n:
+                raise ValueError(f"OffloadInputs.unit_compute has {len(shares)} entries for {n} stages")
+            for s, c in enumerate(shares):
+                if c is not None and (len(c) != self.layers[s] or abs(sum(c) - 1.0) > 1e-6):
+                    raise ValueError(
+                        f"OffloadInputs.unit_compute[{s}] must hold {self.layers[s]} shares summing to 1, "
+                        f"got {c}"
+                    )
         if self.costs.stages is not None and len(self.costs.stages) != n:
             raise ValueError(f"OffloadInputs.costs has {len(self.costs.stages)} stage entries for {n} stages")
         if self.stage_bytes is not None:
@@ -129,8 +153,11 @@ class OffloadInputs:
         return len(self.layers)
 
     def plan_kwargs(self) -> dict[str, Any]:
-        """`plan_offload`'s ``layers``, ``layer_copy`` and ``peaks`` (the last only with ``stage_bytes``)."""
+        """`plan_offload`'s ``layers``, ``layer_copy``, ``unit_compute`` (where given) and ``peaks`` (only
+        with ``stage_bytes``)."""
         kwargs: dict[str, Any] = {"layers": list(self.layers), "layer_copy": list(self.layer_copy)}
+        if self.unit_compute is not None:
+            kwargs["unit_compute"] = list(self.unit_compute)
         if self.stage_bytes is not None:
             kwargs["peaks"] = self.peaks
         return kwargs
@@ -157,11 +184,15 @@ class OffloadInputs:
                 | ({} if b.per_layer is None else {"per_layer": list(b.per_layer)})
                 for b in self.stage_bytes
             ],
+            "granularity": self.granularity,
+            "unit_compute": None
+            if self.unit_compute is None
+            else [None if c is None else list(c) for c in self.unit_compute],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OffloadInputs:
-        unknown = set(data) - {"costs", "layers", "layer_copy", "stage_bytes"}
+        unknown = set(data) - {"costs", "layers", "layer_copy", "stage_bytes", "granularity", "unit_compute"}
         if unknown:
             raise ValueError(f"unknown OffloadInputs keys {sorted(unknown)}")
         return cls(
@@ -169,6 +200,8 @@ class OffloadInputs:
             layers=tuple(data["layers"]),
             layer_copy=tuple(data["layer_copy"]),
             stage_bytes=None if data.get("stage_bytes") is None else tuple(data["stage_bytes"]),
+            granularity=data.get("granularity", "layer"),
+            unit_compute=None if data.get("unit_compute") is None else tuple(data["unit_compute"]),
         )
 
 

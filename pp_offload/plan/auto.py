@@ -255,7 +255,9 @@ def choose(
         memory_limit=best.memory_limit,
         costs=costs_for(measured[best.recompute], best.schedule, num_microbatches=m),
         stage_costs=[list(x) for x in picked.costs.stages or ()],
-        offload_inputs=picked.offload_inputs().to_dict() if resolve_offload(best.offload).enabled else None,
+        offload_inputs=picked.offload_inputs(resolve_offload(best.offload).granularity).to_dict()
+        if resolve_offload(best.offload).enabled
+        else None,
         predicted_step_s=float(best.predicted_step_s),
         peak_bytes=list(best.peak_bytes),
         reason=_reason(ranked, budget),

@@ -44,6 +44,7 @@ __all__ = [
     "PassTimes",
     "head_flops",
     "layer_flops",
+    "layer_unit_shares",
     "p2p_seconds",
     "recompute_seconds",
     "split_extras",
@@ -86,6 +87,21 @@ def layer_flops(spec: ModelSpec, *, seq_len: int) -> PassTimes:
     attention = 2.0 * seq_len * spec.q_size  # causal: QK^T and AV over seq/2 keys on average
     weight = adapters if spec.lora_rank else matmul
     return PassTimes(matmul + adapters + attention, matmul + adapters + _FLASH_BACKWARD * attention, weight)
+
+
+def layer_unit_shares(spec: ModelSpec, *, seq_len: int) -> tuple[float, float]:
+    """Shares of one decoder layer's F + I + W FLOPs in its attention half (q/k/v/o projections and the
+    attention kernel) and in the rest (the MLP): sub-layer offload units
+    (`pp_offload.plan.memory.layer_unit_bytes`) take these shares of a stage's passes. Why one share for
+    all passes: the simulator times a unit's part of F and of the backward with one share; F + I + W
+    weighs them as a step does (attention's backward is heavier than its forward, and has no W)."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    llama = spec.family == "llama"
+    matmul = 2.0 * (3 if llama else 2) * h * i  # gate, up, down (GPT-2: c_fc, c_proj)
+    adapters = 2.0 * spec.lora_rank * ((3 if llama else 2) * (h + i))
+    mlp = PassTimes(matmul + adapters, matmul + adapters, adapters if spec.lora_rank else matmul)
+    share = mlp.total / layer_flops(spec, seq_len=seq_len).total
+    return (1.0 - share, share)
 
 
 def head_flops(spec: ModelSpec) -> PassTimes:

@@ -43,7 +43,14 @@ from typing import Any
 from pp_offload.order.actions import Costs, F
 from pp_offload.order.offload_inputs import OffloadInputs, StageBytes
 from pp_offload.order.offload_inputs import activation_peaks as byte_peaks
-from pp_offload.plan.costs import PassTimes, p2p_seconds, split_extras, stage_times, transfer_seconds
+from pp_offload.plan.costs import (
+    PassTimes,
+    layer_unit_shares,
+    p2p_seconds,
+    split_extras,
+    stage_times,
+    transfer_seconds,
+)
 from pp_offload.plan.machines import Machine
 from pp_offload.plan.memory import (
     ChunkActivation,
@@ -51,7 +58,7 @@ from pp_offload.plan.memory import (
     StateBytes,
     chunk_activation,
     layer_activation_bytes,
-    layers_activation_bytes,
+    layers_unit_bytes,
     recv_buffer_bytes,
     stage_params,
     state_bytes,
@@ -109,9 +116,17 @@ class Setup:
     layers_bytes: list[list[int]] = field(default_factory=list)
     """Per stage, each decoder layer's saved bytes per microbatch, first layer first
     (`pp_offload.plan.memory.layers_activation_bytes`): what a moved layer carries."""
+    units_bytes: list[list[tuple[int, ...]]] = field(default_factory=list)
+    """Per stage and layer, the bytes of each of the layer's sub-layer offload units
+    (`pp_offload.plan.memory.layers_unit_bytes`): what ``granularity="sublayer"`` moves per unit."""
+    unit_shares: tuple[float, float] = (0.5, 0.5)
+    """A split layer's attention and MLP halves' shares of its passes (`pp_offload.plan.costs`)."""
 
-    def moved_layer_bytes(self, stage: int, moved: int) -> int:
-        """Bytes the first ``moved`` layers of ``stage`` carry (budget offload moves the earliest first)."""
+    def moved_layer_bytes(self, stage: int, moved: int, granularity: str = "layer") -> int:
+        """Bytes the first ``moved`` layers (or sub-layer units) of ``stage`` carry (budget offload moves
+        the earliest first)."""
+        if granularity == "sublayer":
+            return sum([b for unit in self.units_bytes[stage] for b in unit][:moved])
         if not self.layers_bytes:
             return moved * self.stage_layer_bytes(stage)
         return sum(self.layers_bytes[stage][:moved])
@@ -134,12 +149,15 @@ class Setup:
             return tuple(unit * b for b in sizes)
         return unit * self.stage_layer_bytes(stage)
 
-    def offload_inputs(self) -> OffloadInputs:
+    def offload_inputs(self, granularity: str = "layer") -> OffloadInputs:
         """The figures offload is placed with on this setup (`pp_offload.order.offload_inputs`): the costs
         with each stage's pass times, layers per stage, one layer's copy time per stage (in proportion to
         `stage_layer_bytes`) and each stage's bytes, so the budget lowers the peak that is reported. Hand it
-        to ``enable_offload(..., inputs=...)`` and the runtime places what this setup predicts."""
+        to ``enable_offload(..., inputs=...)`` and the runtime places what this setup predicts.
+        ``granularity="sublayer"``: the same per sub-layer unit (`units_bytes`, `unit_shares`)."""
         unit = self.layer_copy / self.layer_bytes if self.layer_bytes else 0.0
+        if granularity == "sublayer":
+            return self._unit_inputs(unit)
         n = len(self.stages)
         return OffloadInputs(
             costs=self.costs,
@@ -154,6 +172,41 @@ class Setup:
                 )
                 for s, st in enumerate(self.stages)
             ),
+        )
+
+    def _unit_inputs(self, unit: float) -> OffloadInputs:
+        """`offload_inputs` with sub-layer units: per stage the flat list of units, each unit's copy time
+        from its own bytes, and each unit's share of the stage's passes (a layer's share split by
+        `unit_shares` where it has two units)."""
+        if len(self.units_bytes) != len(self.stages):
+            raise ValueError(
+                "sub-layer offload units need the planner's per-unit bytes of every stage (a setup built "
+                "from a model spec, setup_schedule); this setup has none (measured setups count layers "
+                "only): use granularity 'layer'"
+            )
+        counts, copies, shares, stage_bytes = [], [], [], []
+        for s, st in enumerate(self.stages):
+            flat = [b for layer in self.units_bytes[s] for b in layer]
+            layers = len(self.units_bytes[s])
+            split = [self.unit_shares if len(u) == 2 else (1.0,) for u in self.units_bytes[s]]
+            counts.append(len(flat))
+            copies.append(tuple(unit * b for b in flat))
+            shares.append(tuple(x / layers for parts in split for x in parts) if flat else None)
+            stage_bytes.append(
+                StageBytes(
+                    saved=int(st.activation.saved),
+                    resident=int(st.activation.resident),
+                    layer=max(flat, default=0),
+                    per_layer=tuple(flat),
+                )
+            )
+        return OffloadInputs(
+            costs=self.costs,
+            layers=tuple(counts),
+            layer_copy=tuple(copies),
+            stage_bytes=tuple(stage_bytes),
+            granularity="sublayer",
+            unit_compute=tuple(shares),
         )
 
     def layered_args(self) -> dict[str, Any]:
@@ -270,18 +323,12 @@ def setup_schedule(
     per_layer = layer_activation_bytes(
         spec, precision, microbatch_size=microbatch_size, seq_len=seq_len, recompute=plan.mode
     )
-    layers_bytes = [
-        layers_activation_bytes(
-            spec,
-            precision,
-            layers=count,
-            first=s == 0,
-            microbatch_size=microbatch_size,
-            seq_len=seq_len,
-            recompute=recompute,
-        )
-        for s, count in enumerate(layers)
+    # per stage, each layer's units (attention half, rest) and their sum, each layer's bytes
+    kw = {"microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
+    units_bytes = [
+        layers_unit_bytes(spec, precision, layers=count, first=s == 0, **kw) for s, count in enumerate(layers)
     ]
+    layers_bytes = [[sum(units) for units in stage] for stage in units_bytes]
     problem = microbatch_problem(schedule, pp, num_microbatches, virtual_stages=virtual_stages)
     empty = [s for s in range(1, n - 1) if layers[s] == 0]
     if problem is None and empty:
@@ -304,6 +351,8 @@ def setup_schedule(
         layer_bytes=per_layer,
         layer_copy=transfer_seconds(per_layer, machine),
         layers_bytes=layers_bytes,
+        units_bytes=units_bytes,
+        unit_shares=layer_unit_shares(spec, seq_len=seq_len),
     )
 
 
@@ -444,7 +493,9 @@ def evaluate_orders(
             if kind == F
         )
         if layered:
-            moved = sum(setup.moved_layer_bytes(key[0], c.moved) for key, c in layered.items())
+            moved = sum(
+                setup.moved_layer_bytes(key[0], c.moved, resolved.granularity) for key, c in layered.items()
+            )
         elif resolved.enabled:
             moved = sum(
                 setup.stages[s].activation.saved for r in planned.offloaded for s, _ in planned.offloaded[r]
@@ -457,7 +508,9 @@ def evaluate_orders(
                 makespan=sim.makespan,
                 busy=max(sim.busy.values()),
                 peak_units=[sim.peak_memory[r] for r in sorted(sim.peak_memory)],
-                activation=activation_peaks(memory_sim, setup, layered=layered),
+                activation=activation_peaks(
+                    memory_sim, setup, layered=layered, granularity=resolved.granularity
+                ),
                 reload_wait=sim.total_reload_wait,
                 offloaded=offloaded,
                 chunks=chunks,
@@ -482,17 +535,17 @@ def offload_plan(setup: Setup, order: Any, policy: Any) -> Any:
 
     Placed with the per-stage costs it is timed with: a budget's slowdown limit then holds for the step it
     predicts (placed with scalar costs and timed per stage, it overshot its 3%)."""
-    from pp_offload.order.offload import plan_offload
+    from pp_offload.order.offload import plan_offload, resolve_offload
 
-    inputs = setup.offload_inputs()
+    inputs = setup.offload_inputs(resolve_offload(policy).granularity)
     return plan_offload(order, inputs.costs, policy, **inputs.plan_kwargs())
 
 
-def activation_peaks(sim: Any, setup: Setup, *, layered: Any = None) -> list[int]:
+def activation_peaks(sim: Any, setup: Setup, *, layered: Any = None, granularity: str = "layer") -> list[int]:
     """Per rank, the peak of the activation bytes over the simulated timeline (see the module doc, 4).
-    ``layered``: the plan's layer-by-layer chunks (each moved layer carries its own bytes,
-    `Setup.layers_bytes`)."""
-    stage_bytes = setup.offload_inputs().stage_bytes
+    ``layered``: the plan's layer-by-layer chunks (each moved layer, or sub-layer unit, carries its own
+    bytes, `Setup.layers_bytes` / `Setup.units_bytes`)."""
+    stage_bytes = setup.offload_inputs(granularity).stage_bytes
     assert stage_bytes is not None  # a setup always knows its stages' bytes  # noqa: S101
     return byte_peaks(sim, stage_bytes, layered)
 

@@ -26,11 +26,12 @@ from pp_offload.plan.orders import canonical_schedule
 __all__ = ["offload_inputs", "planner_setup"]
 
 
-def offload_inputs(model: Any, *, schedule: str, **setting: Any) -> OffloadInputs:
+def offload_inputs(model: Any, *, schedule: str, granularity: str = "layer", **setting: Any) -> OffloadInputs:
     """The planner's offload figures for ``schedule`` on ``model`` (anything `pp_offload.plan.model_spec`
     reads: a config, a dict, a path, a known name like ``"llama-3-8b"``), as `pp_offload.plan.plan`
-    evaluates that setting; ``setting``: the arguments of `planner_setup`. Costs are in seconds."""
-    return planner_setup(model, schedule=schedule, **setting).offload_inputs()
+    evaluates that setting; ``setting``: the arguments of `planner_setup`. Costs are in seconds.
+    ``granularity``: the budget policy's offload unit (``"sublayer"``: half layers)."""
+    return planner_setup(model, schedule=schedule, **setting).offload_inputs(granularity)
 
 
 def planner_setup(

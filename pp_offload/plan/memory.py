@@ -76,7 +76,9 @@ __all__ = [
     "chunk_activation",
     "layer_activation_bytes",
     "layer_mode",
+    "layer_unit_bytes",
     "layers_activation_bytes",
+    "layers_unit_bytes",
     "mlp_recompute_freed",
     "layer_params",
     "layer_recompute_traffic",
@@ -269,9 +271,63 @@ def layers_activation_bytes(
     `pp_offload.recompute_plan`): what the activation store captures per layer, so what budget offload
     moves per layer. The stage's first layer reads its receive buffer unless the stage is the ``first``
     (there it reads the embedding output)."""
+    kw = {"first": first, "microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
+    return [sum(units) for units in layers_unit_bytes(spec, dtype, layers=layers, **kw)]
+
+
+def layer_unit_bytes(
+    spec: ModelSpec,
+    dtype: str | Precision,
+    *,
+    microbatch_size: int,
+    seq_len: int,
+    count_input: bool = True,
+    recompute: str = "none",
+) -> tuple[int, ...]:
+    """Bytes each offload unit of one decoder layer saves (sub-layer budget offload,
+    `pp_offload.order.offload.OffloadPolicy.granularity`), first unit first, summing to
+    `layer_activation_bytes`: the attention half (everything saved up to the return of the attention
+    module: the input norm, q/k/v, the attention output and its log-sum-exp, GPT-2's residual dropout
+    mask), then the rest (the post-attention norm on the residual sum, the MLP). A layer checkpointed as a
+    whole (``full``/``selective``: its forward saves through the checkpoint) is one unit; ``mlp``
+    recompute only shrinks the second unit. Rotary cos/sin excluded as in `layer_activation_bytes` (the
+    store records them with the first unit that saves them)."""
+    mode = layer_mode(recompute)
+    kw = {"microbatch_size": microbatch_size, "seq_len": seq_len, "count_input": count_input}
+    whole = layer_activation_bytes(spec, dtype, recompute=mode, **kw)
+    if mode in ("full", "selective"):
+        return (whole,)
+    p = precision(dtype)
+    a, n = p.act_bytes, microbatch_size * seq_len
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    lse = _big(microbatch_size * spec.num_heads * seq_len, 4)
+    if spec.family == "gpt2":  # ln_1 input and stats, its output, fused QKV, attention output, dropout
+        attention = (a * h * n if count_input else 0) + 2 * _big(n, 4) + a * h * n
+        attention += a * (q + 2 * kv) * n + a * q * n + lse + (n * h if spec.resid_dropout > 0 else 0)
+    else:  # input RMSNorm, (Qwen3 q/k norms), rotated q and k, v, attention output, log-sum-exp
+        attention = (4 * h * n if (count_input or a != 4) else 0) + _big(n, 4) + 2 * a * h * n
+        if spec.qk_norm:
+            for width, heads in ((q, spec.num_heads), (kv, spec.num_kv_heads)):
+                attention += 4 * width * n + _big(n * heads, 4) + a * width * n
+        attention += a * (2 * q + 2 * kv) * n + lse
+    return (attention, whole - attention)
+
+
+def layers_unit_bytes(
+    spec: ModelSpec,
+    dtype: str | Precision,
+    *,
+    layers: int,
+    first: bool,
+    microbatch_size: int,
+    seq_len: int,
+    recompute: str = "none",
+) -> list[tuple[int, ...]]:
+    """`layer_unit_bytes` of each of a stage's ``layers`` decoder layers under the recompute plan
+    ``recompute``, first layer first (as `layers_activation_bytes`, which each entry sums to)."""
     kw = {"microbatch_size": microbatch_size, "seq_len": seq_len}
     return [
-        layer_activation_bytes(spec, dtype, count_input=first or index > 0, recompute=mode, **kw)
+        layer_unit_bytes(spec, dtype, count_input=first or index > 0, recompute=mode, **kw)
         for index, mode in enumerate(parse_recompute(recompute).modes(layers))
     ]
 

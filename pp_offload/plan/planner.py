@@ -60,6 +60,7 @@ DEFAULT_OFFLOAD = (
     "budget",
     "budget:auto:0.1",
     "budget:close-w",
+    "budget:sublayer",
 )
 DEFAULT_RECOMPUTE = ("none", "mlp", "selective:0.5,mlp", "selective:0.75,mlp", "selective", "full")
 """Recompute plans tried by default (`pp_offload.recompute_plan`): none; the MLP blocks' activation and
@@ -480,6 +481,8 @@ def _policies(offload: Iterable[Any] | None) -> list[tuple[str, Any]]:
                 label = f"budget:auto:{policy.max_slowdown:g}"
             if policy.close_w:
                 label += ":close-w"
+            if policy.granularity == "sublayer":
+                label += ":sublayer"
         elif policy.count is not None:
             label = f"selective:{policy.count} chunks"
         else:

@@ -35,6 +35,13 @@ The chunk's OFFLOAD action then copies nothing; it checks that every planned lay
 needs every stage's layer count: this rank counts its own stages and assumes the largest of them for the
 others, and it plans with scalar costs in chunk units.
 
+Sub-layer units (``"budget:sublayer"``, ``granularity="sublayer"``): a layer with one attention submodule
+(`attention_submodule`: HF Llama-family ``self_attn``, GPT-2 ``attn``) is two store entries, the tensors it
+saves up to its attention's return (captured from the layer's pre-hook to the attention's forward hook)
+and the rest (to the layer's forward hook); keys ``(stage, microbatch, unit)`` count units across the
+stage. Other layers, and layers checkpointed as a whole, stay one unit. The first unit a chunk moves then
+costs about a quarter of a layer's copy, and starts before the layer's MLP has run.
+
 Exactly as the planner predicts: the planner places budget offload with each stage's pass times, layer
 counts, per-layer copy times and bytes (the embedding's and the LM head's stages weigh differently), so
 a plan from scalar costs and guessed layer counts can move other layers of other chunks and put RELOADs
@@ -64,7 +71,14 @@ from pp_offload.runtime import compat
 from pp_offload.runtime.store import ActivationStore
 from pp_offload.sim import as_executed_by_torch
 
-__all__ = ["OffloadRuntime", "enable_offload", "stage_layers"]
+__all__ = [
+    "OffloadRuntime",
+    "attention_submodule",
+    "enable_offload",
+    "stage_layers",
+    "stage_units",
+    "unit_count",
+]
 
 _DEFAULT_TRANSFER = 0.5
 """One chunk's one-way copy time in F units when costs give none: the paper's k ~ 1 regime."""
@@ -122,7 +136,11 @@ def enable_offload(
             "are not supported"
         )
     stages = compat.schedule_stages(schedule)
-    own = {stage.stage_index: stage_layers(stage) for stage in stages} if policy.mode == "budget" else {}
+    own = (
+        {stage.stage_index: stage_units(stage, policy.granularity) for stage in stages}
+        if policy.mode == "budget"
+        else {}
+    )
     num_stages = 1 + max(
         a.stage_index for acts in schedule.pipeline_order.values() for a in acts if a is not None
     )
@@ -130,14 +148,15 @@ def enable_offload(
         if costs is not None:
             raise ValueError("give enable_offload costs= or inputs= (which carry the costs), not both")
         inputs = inputs if isinstance(inputs, OffloadInputs) else OffloadInputs.from_dict(inputs)
-        _check_inputs(inputs, num_stages, own)
+        _check_inputs(inputs, num_stages, own, policy.granularity)
         costs, kwargs = inputs.costs, inputs.plan_kwargs()
     else:
         costs = Costs.coerce(costs if costs is not None else getattr(schedule, "costs", None))
         kwargs = {}
         if policy.mode == "budget":
-            assumed = max(len(mods) for mods in own.values())
-            kwargs["layers"] = [len(own[s]) if s in own else assumed for s in range(num_stages)]
+            counts = {s: unit_count(units) for s, units in own.items()}
+            assumed = max(counts.values())
+            kwargs["layers"] = [counts.get(s, assumed) for s in range(num_stages)]
     if costs.transfer == 0:
         costs = dataclasses.replace(costs, transfer=_DEFAULT_TRANSFER * costs.F)
     plan = plan_offload(as_executed_by_torch(schedule.pipeline_order), costs, policy, **kwargs)
@@ -154,7 +173,7 @@ def enable_offload(
     for stage in stages:
         _hook_stage(stage, runtime)
         if moved:
-            _hook_layers(stage, runtime, own[stage.stage_index])
+            _hook_units(stage, runtime, own[stage.stage_index])
 
     def offload(action: Any, ctx: Any) -> None:
         key = _key(action)
@@ -170,9 +189,10 @@ def enable_offload(
         missing = [i for i, state in enumerate(states) if state != "offloaded"]
         if missing:
             raise RuntimeError(
-                f"{action}: layers {missing} of stage {key[0]}, microbatch {key[1]} were planned to move to "
-                "host memory during the forward but did not; the stage's forward must call its layers as "
-                "modules (their forward hooks move them)"
+                f"{action}: offload units {missing} of stage {key[0]}, microbatch {key[1]} were planned to "
+                "move to host memory during the forward but did not; the stage's forward must call its "
+                "layers (and, with granularity 'sublayer', their attention submodules) as modules: their "
+                "forward hooks move them"
             )
 
     def reload(action: Any, ctx: Any) -> None:
@@ -195,17 +215,27 @@ def enable_offload(
     return runtime
 
 
-def _check_inputs(inputs: OffloadInputs, num_stages: int, own: Mapping[int, list[nn.Module]]) -> None:
+def _check_inputs(
+    inputs: OffloadInputs, num_stages: int, own: Mapping[int, list[Any]], granularity: str = "layer"
+) -> None:
     """The planner's figures must describe this pipeline: as many stages, and this rank's stages holding
-    the layers they count (else the plan would move layers that do not exist, or the wrong ones)."""
+    the layers (or sub-layer units) they count (else the plan would move units that do not exist, or the
+    wrong ones)."""
+    if own and inputs.granularity != granularity:
+        raise ValueError(
+            f"offload inputs count {inputs.granularity!r} units but the policy moves {granularity!r} units; "
+            f"build them with the policy's granularity (Setup.offload_inputs({granularity!r}))"
+        )
     if inputs.num_stages != num_stages:
         raise ValueError(
             f"offload inputs describe {inputs.num_stages} stages but the schedule's order has {num_stages}; "
             "build them for this schedule and pipeline size"
         )
-    wrong = {s: (len(mods), inputs.layers[s]) for s, mods in own.items() if len(mods) != inputs.layers[s]}
+    counts = {s: unit_count(units) for s, units in own.items()}
+    wrong = {s: (n, inputs.layers[s]) for s, n in counts.items() if n != inputs.layers[s]}
     if wrong:
-        detail = ", ".join(f"stage {s} holds {n} layers, inputs say {said}" for s, (n, said) in wrong.items())
+        what = "layers" if granularity == "layer" else "sub-layer units"
+        detail = ", ".join(f"stage {s} holds {n} {what}, inputs say {said}" for s, (n, said) in wrong.items())
         raise ValueError(
             f"offload inputs do not match this rank's stages ({detail}); build them with the split the "
             "pipeline uses (pp_offload.plan.offload_inputs(..., layers_per_stage=...))"
@@ -277,34 +307,87 @@ def stage_layers(stage: Any) -> list[nn.Module]:
     )
 
 
-def _hook_layers(stage: Any, runtime: OffloadRuntime, layers: list[nn.Module]) -> None:
-    """Budget mode: capture each moved layer's saved tensors under its own key and offload them as soon
-    as that layer's forward returns. Active only inside the forward of a chunk with moved layers
-    (`_hook_stage` sets ``runtime._active``)."""
-    store = runtime.store
-    open_capture: list[contextlib.ExitStack | None] = [None]
+def stage_units(stage: Any, granularity: str = "layer") -> list[tuple[nn.Module, nn.Module | None]]:
+    """The stage's budget-offload units, in forward order, as (layer, attention submodule or None) per
+    layer: a layer with an attention submodule at ``granularity="sublayer"`` is two units (its saved
+    tensors up to the attention's return, then the rest), any other layer one.
 
-    def pre_hook(index: int, module: nn.Module, args: Any) -> None:
+    The planner counts the same units (`pp_offload.plan.memory.layer_unit_bytes`); ``enable_offload``
+    compares the counts with the planner's inputs, so a layer split here and not there (or the reverse)
+    is an error, never a silently different plan."""
+    layers = stage_layers(stage)
+    if granularity == "layer":
+        return [(layer, None) for layer in layers]
+    return [(layer, attention_submodule(layer)) for layer in layers]
+
+
+def unit_count(units: list[tuple[nn.Module, nn.Module | None]]) -> int:
+    """How many offload units `stage_units` found."""
+    return sum(1 if split is None else 2 for _, split in units)
+
+
+def attention_submodule(layer: nn.Module) -> nn.Module | None:
+    """The decoder layer's attention submodule, where a sub-layer split is well defined, else None.
+
+    The layer's one direct child whose name (Hugging Face Llama-family ``self_attn``, GPT-2 ``attn``) or
+    class name says attention (``attn``/``attention``, any case) and neither says norm (Llama's
+    ``post_attention_layernorm`` is a norm); none or several (GPT-2 with cross attention): None. A layer
+    whose own forward was replaced on the instance (activation checkpointing of the whole layer,
+    `pp_offload.parallel.activation_checkpointing` full or selective) saves through its checkpoint (its
+    input, the recompute cache), not op by op, so it stays one unit too (the planner's `layer_unit_bytes`
+    says the same)."""
+    if "forward" in vars(layer):
+        return None
+    found = []
+    for name, child in layer.named_children():
+        text = f"{name} {type(child).__name__}".lower()
+        if ("attn" in text or "attention" in text) and "norm" not in text:
+            found.append(child)
+    return found[0] if len(found) == 1 else None
+
+
+def _hook_units(stage: Any, runtime: OffloadRuntime, units: list[tuple[nn.Module, nn.Module | None]]) -> None:
+    """Budget mode: capture each moved unit's saved tensors under its own key ``(stage, microbatch,
+    unit)`` and offload them as soon as that unit's forward has produced them: a layer's first unit from
+    the layer's forward pre-hook to its attention submodule's forward hook (or the layer's own, when it is
+    one unit), its second from there to the layer's forward hook. One capture at a time (they never nest:
+    each closes before the next opens). Active only inside the forward of a chunk with moved units
+    (`_hook_stage` sets ``runtime._active``); the attention's hooks also fire in recomputations during
+    backward, where no capture is open, and do nothing there."""
+    store = runtime.store
+    open_capture: list[tuple[int, contextlib.ExitStack] | None] = [None]
+
+    def begin(unit: int) -> None:
         active = getattr(runtime, "_active", None)
-        if active is None or active[0][0] != stage.stage_index or index >= active[1]:
+        if active is None or active[0][0] != stage.stage_index or unit >= active[1]:
             return
         key, _, keep = active
         stack = contextlib.ExitStack()
-        stack.enter_context(store.capture((*key, index), keep=keep))
-        open_capture[0] = stack
+        stack.enter_context(store.capture((*key, unit), keep=keep))
+        open_capture[0] = (unit, stack)
 
-    def post_hook(index: int, module: nn.Module, args: Any, output: Any) -> None:
-        stack = open_capture[0]
-        if stack is None:
+    def end(unit: int) -> None:
+        current = open_capture[0]
+        if current is None or current[0] != unit:
             return
         open_capture[0] = None
-        stack.close()
-        key = runtime._active[0]
-        store.offload((*key, index))
+        current[1].close()
+        store.offload((*runtime._active[0], unit))
 
-    for index, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda mod, args, i=index: pre_hook(i, mod, args))
-        layer.register_forward_hook(lambda mod, args, out, i=index: post_hook(i, mod, args, out))
+    first = 0
+    for layer, split in units:
+        last = first if split is None else first + 1
+        layer.register_forward_pre_hook(lambda mod, args, u=first: begin(u))
+        if split is not None:
+
+            def boundary(mod: nn.Module, args: Any, out: Any, u: int = first) -> None:
+                if open_capture[0] is not None and open_capture[0][0] == u:
+                    end(u)
+                    begin(u + 1)
+
+            split.register_forward_hook(boundary)
+        layer.register_forward_hook(lambda mod, args, out, u=last: end(u))
+        first = last + 1
 
 
 def _hook_stage(stage: Any, runtime: OffloadRuntime) -> None:
