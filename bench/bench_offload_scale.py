@@ -19,9 +19,12 @@ Two parts:
     offload within what the recompute leaves of 3% and of 10% (``sel+budget@0.1``). On H100 also the
     recompute plans (`pp_offload.recompute_plan`): MLP-only recompute (``mlp``), selective on the first
     share of each stage's layers (``sel:0.75``), and that with ``mlp`` on the other layers
-    (``sel:0.75,mlp``), each alone and with budget offload. Printed first: selective recompute's bytes
-    and HBM traffic per op group (`pp_offload.plan.recompute_groups`); last, the H100 targets before
-    (none, selective or full on every layer) and after the recompute plans.
+    (``sel:0.75,mlp``), each alone and with budget offload; and sub-layer offload units (``:sublayer``:
+    each layer's attention half, then the rest, `pp_offload.order.offload.OffloadPolicy.granularity`)
+    without recompute and with ``mlp``, ``mlp:0.75`` and ``sel:0.75,mlp``. Printed first: selective
+    recompute's bytes and HBM traffic per op group (`pp_offload.plan.recompute_groups`); last, the H100
+    targets before (none, selective or full on every layer) and after the recompute plans, then with
+    whole-layer vs sub-layer offload units.
     Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%, against no offload and no
     recompute.
 (b) Llama-3-70B (80 layers, h 8192, MLP 28672), seq 8192, H100, pp 4, 8, 16 (``--quick``: 4, 8), m = 2 pp:
@@ -75,6 +78,7 @@ OLD_RECOMPUTE = ("none", "selective", "full")  # before recompute plans on a sha
 # and with the MLP-only recompute on the other layers, every layer, full (pp_offload.recompute_plan)
 H100_RECOMPUTE = (
     "mlp",
+    "mlp:0.75",
     "selective:0.25",
     "selective:0.5",
     "selective:0.75",
@@ -84,6 +88,11 @@ H100_RECOMPUTE = (
     "selective",
     "full",
 )
+# sub-layer offload units (each layer's attention half, then the rest: OffloadPolicy.granularity), on the
+# H100 rows: without recompute, and with the recompute plans whose bytes and time leave room to offload
+SUBLAYER = ("budget:sublayer", "budget:auto:0.1:sublayer")
+SUBLAYER_RECOMPUTE = ("mlp", "mlp:0.75", "selective:0.75,mlp")
+SUBLAYER_POLICIES = ("budget@0.03:sublayer", "budget@0.1:sublayer")
 BASE_STEP: dict[tuple, float] = {}  # (machine, seq, pp, schedule) -> step without recompute or offload
 MACHINES_8B = ("H100", "GH200", "A100")
 BUDGETS = ("budget", "budget:auto:0.1")  # the GH200/A100 rows (with budget:1)
@@ -94,7 +103,8 @@ def evaluate(
 ) -> list[dict]:
     """One schedule with one recompute mode under every policy: step time, activation peak, bytes moved.
     A policy ``"budget@X"`` is budget offload within a step ``X`` slower than ``base_step_s`` (the
-    schedule without recompute or offload: the caller's), i.e. what is left of X after the recompute."""
+    schedule without recompute or offload: the caller's), i.e. what is left of X after the recompute;
+    ``"budget@X:sublayer"`` the same with sub-layer units."""
     from pp_offload.plan.evaluate import build_orders, combine, evaluate_orders, simulation_sizes
     from pp_offload.plan.handoff import planner_setup
 
@@ -116,11 +126,11 @@ def evaluate(
         start = time.perf_counter()
         spec = VARIANTS.get(policy, policy)
         if isinstance(spec, str) and spec.startswith("budget@"):  # room left to a total slowdown
-            total = float(spec.split("@")[1])
-            room = (1.0 + total) * BASE_STEP[(machine, seq, pp, schedule)] / plain_step - 1.0
+            total, _, unit = spec.removeprefix("budget@").partition(":")
+            room = (1.0 + float(total)) * BASE_STEP[(machine, seq, pp, schedule)] / plain_step - 1.0
             if room <= 0:
                 continue  # the recompute alone costs more than the total
-            spec = {"mode": "budget", "max_slowdown": room}
+            spec = {"mode": "budget", "max_slowdown": room} | ({"granularity": unit} if unit else {})
         summary = combine(evaluate_orders(setup, orders, spec), m)
         if policy == "none":
             plain_step = summary["makespan"]
@@ -214,8 +224,9 @@ def run(quick: bool) -> dict[str, Any]:
     seqs = (4096,) if quick else (4096, 16384)
     for machine in ("H100",) if quick else MACHINES_8B:
         # the H100 rows with every offload policy; the other machines with the budget ones
-        policies = OLD + NEW if machine == "H100" else (*BUDGETS, "budget:1")
+        policies = OLD + NEW + SUBLAYER if machine == "H100" else (*BUDGETS, "budget:1")
         plans = H100_RECOMPUTE if machine == "H100" else ("selective", "full")
+        extra = SUBLAYER_POLICIES if machine == "H100" else ()
         for seq in seqs:
             for schedule in SCHEDULES:
                 out["part_a"] += _group(
@@ -226,7 +237,10 @@ def run(quick: bool) -> dict[str, Any]:
                     m=16,
                     schedule=schedule,
                     policies=policies,
-                    recompute=dict.fromkeys(plans, RECOMPUTE_POLICIES),
+                    recompute={
+                        plan: RECOMPUTE_POLICIES + (extra if plan in SUBLAYER_RECOMPUTE else ())
+                        for plan in plans
+                    },
                 )
                 print(f"  8B {machine} seq {seq} {SHORT[schedule]}: done", file=sys.stderr)
     for pp in (4, 8) if quick else (4, 8, 16):
@@ -279,7 +293,7 @@ def _name(r: dict) -> str:
 def _row_text(r: dict) -> str:
     need = " ".join(f"{k}:{v:.2f}" for k, v in r["need_ratio"].items())
     return (
-        f"{_name(r):<26}{r['activation_gib']:>8.1f}{100 * r['cut']:>7.1f}%{1e3 * r['step_s']:>9.0f}"
+        f"{_name(r):<36}{r['activation_gib']:>8.1f}{100 * r['cut']:>7.1f}%{1e3 * r['step_s']:>9.0f}"
         f"{100 * r['slowdown']:>+8.1f}%{100 * r['moved_share']:>8.1f}%{r['link_capacity_gib']:>9.1f}"
         f"{r['rank_saved_gib']:>10.1f}  {need}"
     )
@@ -349,38 +363,62 @@ def _groups_text(groups: list[dict]) -> list[str]:
     return lines
 
 
-def _old_new_text(groups: dict[tuple, list[dict]]) -> list[str]:
-    """Per (seq, schedule) on the H100: the best cut within +3% and +10%, with the recompute modes as they
-    were (none, selective and full of every layer) and with the recompute plans (shares, mlp)."""
+def _layer_units(rows: list[dict]) -> list[dict]:
+    """The rows whose offload moves whole layers (or nothing): not sub-layer units."""
+    return [r for r in rows if "sublayer" not in r["policy"]]
+
+
+def _compare_text(groups: dict[tuple, list[dict]], title: str, names: tuple[str, str], pick) -> list[str]:
+    """Per (seq, schedule) on the H100: the best cut within +3% and +10% among the rows ``pick(rows)``
+    gives (before, after), with the verdict of the second."""
     head = (
-        f"{'seq':>6}  {'schedule':<16}{'target':>10}  {'old best':<24}{'cut':>7}{'slower':>8}  "
-        f"{'new best':<26}{'cut':>7}{'slower':>8}  verdict"
+        f"{'seq':>6}  {'schedule':<16}{'target':>10}  {names[0]:<32}{'cut':>7}{'slower':>8}  "
+        f"{names[1]:<36}{'cut':>7}{'slower':>8}  verdict"
     )
-    lines = [
-        "\nTargets, Llama-3-8B, H100, pp 4, m 16: old = no recompute plans (none, selective or full on "
-        "every layer), new = with shares of the layers and MLP-only recompute",
-        head,
-        "-" * len(head),
-    ]
+    lines = [title, head, "-" * len(head)]
     for (machine, seq, schedule), rows in groups.items():
         if machine != "H100":
             continue
-        old = [r for r in rows if r["recompute"] in OLD_RECOMPUTE]
+        before, after = pick(rows)
         for slowdown, cut in TARGETS:
-            a, b = best_within(old, slowdown), best_within(rows, slowdown)
+            a, b = best_within(before, slowdown), best_within(after, slowdown)
             verdict = "MET" if b["cut"] >= cut - 1e-9 else "missed"
             lines.append(
-                f"{seq:>6}  {schedule:<16}{f'{cut:.0%}@+{slowdown:.0%}':>10}  {_name(a):<24}"
-                f"{100 * a['cut']:>6.1f}%{100 * a['slowdown']:>+7.1f}%  {_name(b):<26}{100 * b['cut']:>6.1f}%"
+                f"{seq:>6}  {schedule:<16}{f'{cut:.0%}@+{slowdown:.0%}':>10}  {_name(a):<32}"
+                f"{100 * a['cut']:>6.1f}%{100 * a['slowdown']:>+7.1f}%  {_name(b):<36}{100 * b['cut']:>6.1f}%"
                 f"{100 * b['slowdown']:>+7.1f}%  {verdict}"
             )
     return lines
 
 
+def _old_new_text(groups: dict[tuple, list[dict]]) -> list[str]:
+    """The H100 targets with the recompute modes as they were (none, selective and full of every layer)
+    and with the recompute plans (shares, mlp); whole-layer offload units in both."""
+    return _compare_text(
+        groups,
+        "\nTargets, Llama-3-8B, H100, pp 4, m 16: old = no recompute plans (none, selective or full on "
+        "every layer), new = with shares of the layers and MLP-only recompute (layer units)",
+        ("old best", "new best"),
+        lambda rows: ([r for r in _layer_units(rows) if r["recompute"] in OLD_RECOMPUTE], _layer_units(rows)),
+    )
+
+
+def _granularity_text(groups: dict[tuple, list[dict]]) -> list[str]:
+    """The H100 targets with whole-layer offload units only, and with sub-layer units allowed (every
+    recompute plan in both)."""
+    return _compare_text(
+        groups,
+        "\nTargets, Llama-3-8B, H100, pp 4, m 16: budget offload by whole layers vs by sub-layer units "
+        "(attention half, then the rest: budget:sublayer)",
+        ("best, layer units", "best, sub-layer units allowed"),
+        lambda rows: (_layer_units(rows), rows),
+    )
+
+
 def report(out: dict[str, Any]) -> str:
     lines = _groups_text(out["groups"]) if out.get("groups") else []
     head = (
-        f"{'policy':<26}{'act GiB':>8}{'cut':>8}{'step ms':>9}{'slower':>9}{'moved':>9}{'cap GiB':>9}"
+        f"{'policy':<36}{'act GiB':>8}{'cut':>8}{'step ms':>9}{'slower':>9}{'moved':>9}{'cap GiB':>9}"
         f"{'saved GiB':>10}  need/cap for a 30% / 50% cut"
     )
     groups: dict[tuple, list[dict]] = {}
@@ -413,6 +451,7 @@ def report(out: dict[str, Any]) -> str:
             f"{100 * best['cut']:>6.1f}%{100 * best['slowdown']:>+7.1f}%  {'MET' if met else 'missed'}"
         )
     lines += _old_new_text(groups)
+    lines += _granularity_text(groups)
     lines.append(
         "\nLlama-3-70B, H100, seq 8192, m = 2 pp: activation peak per rank (GiB), none vs best within +10%"
     )
@@ -480,6 +519,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     markers = {
         "none": "o",
         "mlp": "v",
+        "mlp:0.75": "^",
         "selective:0.25": "1",
         "selective:0.5": "2",
         "selective:0.75": "3",

@@ -45,23 +45,25 @@ def _planner_order(name: str) -> Any:
     return build_orders(_setup(name), [M], search="full", virtual_stages=2).orders[M]
 
 
-def _stages(name: str, rank: int, layers: tuple[int, ...], d: int = D) -> list[Any]:
-    """This rank's mock stages, each holding its stage's layers as real (identity) modules."""
+def _stages(name: str, rank: int, layers: tuple[int, ...], d: int = D, layer: Any = nn.Identity) -> list[Any]:
+    """This rank's mock stages, each holding its stage's layers as real modules (``layer()``: identities)."""
     ids = (rank, 2 * d - 1 - rank) if name != "ScheduleInterleaved1F1B" else (rank, rank + d)
     out = []
     for s in ids:
         stage = mock.create_autospec(PipelineStage, instance=True)
         stage.group_rank, stage.group_size, stage.num_stages, stage.stage_index = rank, d, len(layers), s
-        stage.submod = nn.ModuleList(nn.Identity() for _ in range(layers[s]))
+        stage.submod = nn.ModuleList(layer() for _ in range(layers[s]))
         stage.device = torch.device("cpu")
         out.append(stage)
     return out
 
 
-def _runtime(name: str, rank: int, policy: str, layers: tuple[int, ...], **figures: Any) -> Any:
+def _runtime(
+    name: str, rank: int, policy: str, layers: tuple[int, ...], layer: Any = nn.Identity, **figures: Any
+) -> Any:
     """``name`` built on ``rank`` with offload ``policy``: ours through their ``offload=`` argument,
     torch's through `enable_offload` (``figures``: ``inputs=`` or ``costs=``)."""
-    stages = _stages(name, rank, layers)
+    stages = _stages(name, rank, layers, layer=layer)
     if hasattr(pp_offload, name):
         if "inputs" in figures:
             figures = {"offload_inputs": figures["inputs"]}

@@ -193,6 +193,36 @@ def test_planner_inputs_count_units_and_shares() -> None:
         _check_inputs(units, len(units.layers), {0: []}, "layer")
 
 
+class _Halves(nn.Module):
+    """A mock decoder layer with an attention child: two sub-layer units for the runtime."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = nn.Identity(), nn.Identity()
+
+
+@pytest.mark.parametrize("policy", ["budget:sublayer", "budget:0.5:sublayer"])
+@pytest.mark.parametrize("name", ["ScheduleVZB", "ScheduleInterleaved1F1B"])
+def test_runtime_places_the_planners_sublayer_offload(name: str, policy: str) -> None:
+    """With the planner's sub-layer figures the runtime's plan is the planner's, unit for unit and position
+    for position (as `test_offload_handoff` checks for layers), on stages whose layers it splits itself;
+    stages whose layers it cannot split (no attention child) refuse the figures."""
+    from test_offload_handoff import D, _differences, _planner_order, _runtime, _setup
+
+    from pp_offload.plan.evaluate import offload_plan
+
+    setup = _setup(name)
+    planned = offload_plan(setup, _planner_order(name), policy)
+    assert sum(c.moved for c in planned.layered.values()) > 0, "the planner moves nothing"
+    inputs = setup.offload_inputs("sublayer")
+    layers = tuple(n // 2 for n in inputs.layers)
+    for rank in range(D):
+        schedule = _runtime(name, rank, policy, layers, layer=_Halves, inputs=inputs)
+        assert _differences(schedule, planned, rank) == [], f"{name} {policy} rank {rank}"
+    with pytest.raises(ValueError, match="sub-layer units, inputs say"):
+        _runtime(name, 0, policy, layers, inputs=inputs)
+
+
 # --- runtime (gloo) ---------------------------------------------------------------------------------------
 
 LAYERS = 2  # per stage: 4 units
