@@ -249,8 +249,9 @@ def plan(
     schedules: names (default: all of ours and torch's: `pp_offload.plan.orders.SCHEDULES`).
     offload: policies (default ``none``, ``selective:0.25``, ``selective:0.5``, ``full``, ``budget`` (as many
         layers per chunk as hide within 3% step time), ``budget:auto:0.1`` (within 10%), ``budget:close-w``
-        (budget, also on offload-aware orders with W moved next to I: `pp_offload.order.zb_offload`)). Offload
-        candidates that move nothing, or cost time without lowering the activation peak, are marked
+        (budget, also on offload-aware orders with W moved next to I: `pp_offload.order.zb_offload`),
+        ``budget:sublayer`` (budget by half layers: `pp_offload.order.offload.OffloadPolicy.granularity`)).
+        Offload candidates that move nothing, or cost time without lowering the activation peak, are marked
         (``Candidate.useless``) and never recommended; torch's single-stage schedules get no offload rows.
     dp_shard: optimizer state and master weights sharded over ``dp`` (ZeRO-1/2, FSDP2 under PP).
     virtual_stages: stages per rank of torch's interleaved (loop) schedules.
