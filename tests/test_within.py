@@ -103,3 +103,26 @@ def test_lowest_peak_within_searches_each_family_and_respects_the_allowance():
     assert full.best.peak == best.peak
     with pytest.raises(ValueError, match="slowdown"):
         lowest_peak_within(LLAMA_8B, schedule="ScheduleVHalf", slowdown=-0.1, **SETTING)
+
+
+def test_cli_within_prints_and_writes_the_search(tmp_path, capsys):
+    """``pp-offload plan --within 0.1``: the same search per schedule, its table and JSON."""
+    import json
+
+    from pp_offload.__main__ import main
+
+    out = tmp_path / "within.json"
+    argv = ["plan", "--model", "llama-3-8b", "--seq-len", "4096", "--microbatches", "4", "--pp", "2"]
+    code = main([*argv, "--within", "0.1", "--schedules", "ScheduleVHalf", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "ScheduleVHalf lowest activation peak within +10%" in text
+    data = json.loads(out.read_text())
+    expected = lowest_peak_within(LLAMA_8B, schedule="ScheduleVHalf", slowdown=0.1, **SETTING).best
+    best = data["best"]["ScheduleVHalf"]
+    assert (best["recompute"], best["offload"], best["activation"]) == (
+        expected.recompute,
+        expected.offload,
+        list(expected.activation),
+    )
+    assert f"best  {expected.recompute}" in text
+    assert main([*argv, "--within", "-1"]) == 2 and "slowdown" in capsys.readouterr().err

@@ -98,6 +98,26 @@ class WithinResult:
         slack = max(0.0, self.limit_s - alone.step_s)
         return link_bound(sim, stage_bytes, target=target, bandwidth=bandwidth, slack=slack)
 
+    def table(self, schedule: str = "") -> str:
+        """The plain row, the best, and every offload trial (GiB, s), with the pruned trials' bounds."""
+        gib = float(1 << 30)
+
+        def line(tag: str, r: WithinRow) -> str:
+            slower = r.step_s / self.base.step_s - 1.0
+            return (
+                f"{tag:<6}{r.recompute:<26}{r.offload:<22}{r.peak / gib:>9.1f}{r.step_s:>9.3f}{slower:>+9.1%}"
+            )
+
+        head = f"{'':<6}{'recompute':<26}{'offload':<22}{'act GiB':>9}{'step s':>9}{'slower':>9}"
+        lines = [f"{schedule} lowest activation peak within +{self.slowdown:.0%}".strip(), head]
+        lines.append(line("plain", self.base))
+        lines += [line("trial", r) for r in self.rows if r.offload != "none"]
+        lines.append(line("best", self.best))
+        lines += [
+            f"      {k} + budget offload: not run, link bound {v:.2f} > 1" for k, v in self.pruned.items()
+        ]
+        return "\n".join(lines)
+
     def alone(self, recompute: str) -> WithinRow:
         """The plan's row without offload."""
         return next(r for r in self.rows if r.recompute == recompute and r.offload == "none")
