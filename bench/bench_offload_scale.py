@@ -28,9 +28,15 @@ Two parts:
     Targets: peak cut >= 30% at <= +3% step time and >= 50% at <= +10%, against no offload and no
     recompute.
 (b) Llama-3-70B (80 layers, h 8192, MLP 28672), seq 8192, H100, pp 4, 8, 16 (``--quick``: 4, 8), m = 2 pp:
-    V-Half and Interleaved1F1B without offload, with budget, selective recompute alone and with budget
-    offload within what it leaves of 10%: the best within +10% step time. Target: that peak stays flat
-    from pp 4 to pp 16.
+    V-Half and Interleaved1F1B, the lowest peak within +10% step time searched by
+    `pp_offload.plan.within.lowest_peak_within`: the recompute plan families none, mlp, selective:S,
+    selective:S,mlp, full:S,selective and full:S at every share S the stages' layer counts express, each
+    family's lowest-peak plan that fits alone, then with budget offload within what it leaves of 10%
+    (skipped where the link bound shows it cannot beat the best found so far). Target: that peak stays
+    flat from pp 4 to pp 16. Then, at pp 8 and 16, the link bound on holding pp 4's best peak
+    (`pp_offload.plan.link_bound`): for every plan that fits alone, at the tightest moment of its order,
+    the bytes that must be off the device vs the most any placement can have off then (need/can), and
+    vs what one direction of the link carries in the +10% step (need/cap).
 
 Physical bound, printed beside every row that misses a target: cutting a rank's peak by a share X needs
 at least X of the bytes its chunks save to be off the device while they wait (every chunk passes through
@@ -39,7 +45,7 @@ while one direction of the host link carries at most step time x bandwidth (with
 the offload must still cut after the recompute's own). ``need/cap`` > 1 means the
 target is out of reach at that step time, whatever the schedule.
 
-    python bench/bench_offload_scale.py            # both parts (~9 min on 2 busy cores; 70B pp 16 ~3 min)
+    python bench/bench_offload_scale.py            # all parts (~9 min on 2 busy cores; part (b) 89 s on one)
     python bench/bench_offload_scale.py --quick    # H100, seq 4096 and pp 4, 8 only (~1 min)
     python bench/bench_offload_scale.py --from-json bench/results/offload_scale.json
 
@@ -96,6 +102,8 @@ SUBLAYER_POLICIES = ("budget@0.03:sublayer", "budget@0.1:sublayer")
 BASE_STEP: dict[tuple, float] = {}  # (machine, seq, pp, schedule) -> step without recompute or offload
 MACHINES_8B = ("H100", "GH200", "A100")
 BUDGETS = ("budget", "budget:auto:0.1")  # the GH200/A100 rows (with budget:1)
+DEPTH_SCHEDULES = ("ScheduleVHalf", "ScheduleInterleaved1F1B")
+DEPTH_SLOWDOWN = 0.10  # the 70B depth target's step-time allowance
 
 
 def evaluate(
@@ -220,7 +228,10 @@ def recompute_group_rows(seq: int = 4096) -> list[dict]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"part_a": [], "part_b": [], "part_c": [], "groups": recompute_group_rows()}
+    from pp_offload.plan.machines import resolve_machine
+
+    out: dict[str, Any] = {"part_a": [], "part_b": [], "part_b_pruned": [], "part_c": []}
+    out["groups"] = recompute_group_rows()
     seqs = (4096,) if quick else (4096, 16384)
     for machine in ("H100",) if quick else MACHINES_8B:
         # the H100 rows with every offload policy; the other machines with the budget ones
@@ -243,23 +254,95 @@ def run(quick: bool) -> dict[str, Any]:
                     },
                 )
                 print(f"  8B {machine} seq {seq} {SHORT[schedule]}: done", file=sys.stderr)
-    for pp in (4, 8) if quick else (4, 8, 16):
-        for schedule in ("ScheduleVHalf", "ScheduleInterleaved1F1B"):
-            # the best within 10% only: full recompute alone costs +60% (see the 8B rows); budget, not
-            # budget:auto:0.1, to keep the 70B pp 16 replays within minutes (on 8B it reaches 3-4 points less)
-            out["part_b"] += _group(
-                LLAMA_70B,
-                machine="H100",
-                seq=8192,
-                pp=pp,
-                m=2 * pp,
-                schedule=schedule,
-                policies=("budget",),
-                recompute={"selective": ("budget@0.1",), "full": ()},
-            )
-            print(f"  70B pp {pp} {SHORT[schedule]}: done", file=sys.stderr)
+    pps = (4, 8) if quick else (4, 8, 16)
+    found = {}
+    for pp in pps:
+        for schedule in DEPTH_SCHEDULES:
+            start = time.perf_counter()
+            found[(schedule, pp)] = depth_search(schedule, pp)
+            rows = _within_rows(found[(schedule, pp)], schedule=schedule, pp=pp)
+            out["part_b"] += finish(rows, resolve_machine("H100").host_bandwidth)
+            out["part_b_pruned"] += [
+                {"schedule": SHORT[schedule], "pp": pp, "plan": plan, "need_can": ratio}
+                for plan, ratio in found[(schedule, pp)].pruned.items()
+            ]
+            print(f"  70B pp {pp} {SHORT[schedule]}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    out["part_b_bound"] = depth_bounds(found, pps)
     if not quick:
         out["part_c"] = depth_on_other_links()
+    return out
+
+
+def depth_search(schedule: str, pp: int) -> Any:
+    """Llama-3-70B part (b): the lowest peak within +10% over the recompute plans (each family at every
+    share the stages express, `pp_offload.plan.within`), alone and with budget offload in what they leave."""
+    from pp_offload.plan.within import lowest_peak_within
+
+    return lowest_peak_within(
+        LLAMA_70B, schedule=schedule, slowdown=DEPTH_SLOWDOWN, pp=pp, seq_len=8192, microbatch_size=1,
+        num_microbatches=2 * pp, machine="H100",
+    )  # fmt: skip
+
+
+def _within_rows(found: Any, *, schedule: str, pp: int) -> list[dict]:
+    """`lowest_peak_within`'s rows as the bench's rows (the plain one first; ``budget@0.1``: budget offload
+    within what the plan leaves of +10%)."""
+    return [
+        {
+            "schedule": SHORT[schedule],
+            "recompute": r.recompute,
+            "policy": "none" if r.offload == "none" else f"budget@{DEPTH_SLOWDOWN:g}",
+            "step_s": r.step_s,
+            "activation_gib": r.peak / GIB,
+            "activation_per_rank_gib": [a / GIB for a in r.activation],
+            "moved_share": r.moved_share,
+            "rank_saved_gib": r.rank_saved / GIB,
+            "machine": "H100",
+            "seq": 8192,
+            "pp": pp,
+        }
+        for r in found.rows
+    ]
+
+
+def depth_bounds(found: dict, pps: tuple[int, ...]) -> list[dict]:
+    """Per schedule and pp beyond the first: whether holding the peak at the first pp's best (with the
+    plans and offload within +10%) is within the host link's reach (`pp_offload.plan.link_bound`), for each
+    recompute plan that fits alone, in the plain order's timing with the plan's room left as slack; the
+    plan with the lowest need/can first. Also the issue's whole-step form: the bytes that must be off the
+    device at the tightest moment vs what one direction of the link carries in the step at +10%."""
+    from pp_offload.plan.machines import resolve_machine
+
+    bandwidth = resolve_machine("H100").host_bandwidth
+    out = []
+    for schedule in DEPTH_SCHEDULES:
+        target = found[(schedule, pps[0])].best.peak
+        for pp in pps[1:]:
+            result = found[(schedule, pp)]
+            plans = []
+            for row in result.rows:
+                if row.offload != "none" or not result.fits(row):
+                    continue
+                bound = result.bound(row, target=target, bandwidth=bandwidth)
+                plans.append((bound.ratio, row, bound))
+            ratio, row, bound = min(plans, key=lambda x: (x[0], x[1].step_s))
+            out.append(
+                {
+                    "schedule": SHORT[schedule],
+                    "pp": pp,
+                    "target_gib": target / GIB,
+                    "reached_gib": result.best.peak / GIB,
+                    "plan": row.recompute,
+                    "need_can": ratio,
+                    "rank": bound.rank,
+                    "time_s": bound.time_s,
+                    "need_gib": bound.need / GIB,
+                    "can_gib": bound.can / GIB,
+                    "live_gib": bound.live / GIB,
+                    "step_cap_gib": result.limit_s * bandwidth / GIB,
+                    "plans": {r.recompute: x for x, r, _ in plans},
+                }
+            )
     return out
 
 
@@ -415,6 +498,81 @@ def _granularity_text(groups: dict[tuple, list[dict]]) -> list[str]:
     )
 
 
+def _depth_text(out: dict[str, Any]) -> list[str]:
+    """Part (b): per schedule and pp the lowest peak within +10% and its plan, whether it stays flat with
+    depth, and the host link's bound on holding pp 4's peak deeper (`depth_bounds`)."""
+    lines = [
+        "\nLlama-3-70B, H100, seq 8192, m = 2 pp: activation peak per rank (GiB), none vs the lowest within "
+        "+10% over the recompute plans (each family at every share the stages express) alone and with budget "
+        "offload in what they leave",
+    ]
+    head = (
+        f"{'schedule':<17}{'pp':>4}{'none':>8}{'best':>8}  {'plan':<30}{'step s':>8}{'slower':>8}"
+        "  best without recompute"
+    )
+    lines += [head, "-" * len(head)]
+    groups: dict[tuple, list[dict]] = {}
+    for r in out["part_b"]:
+        groups.setdefault((r["schedule"], r["pp"]), []).append(r)
+    pruned = {(p["schedule"], p["pp"], p["plan"]): p["need_can"] for p in out.get("part_b_pruned", ())}
+    peaks: dict[str, list[float]] = {}
+    for (schedule, pp), rows in groups.items():
+        best = best_within(rows, DEPTH_SLOWDOWN)
+        plain = best_within([r for r in rows if r["recompute"] == "none"], DEPTH_SLOWDOWN)
+        peaks.setdefault(schedule, []).append(best["activation_gib"])
+        alone = f"{plain['activation_gib']:.1f} GiB ({_name(plain)}, {100 * plain['slowdown']:+.1f}%)"
+        if (schedule, pp, "none") in pruned:  # its offload trial was ruled out by the link bound
+            ratio = pruned[(schedule, pp, "none")]
+            alone = f"budget@0.1 not run: link bound for {best['activation_gib']:.1f} GiB is {ratio:.2f} > 1"
+        lines.append(
+            f"{schedule:<17}{pp:>4}{rows[0]['activation_gib']:>8.1f}{best['activation_gib']:>8.1f}  "
+            f"{_name(best):<30}{best['step_s']:>8.2f}{100 * best['slowdown']:>+7.1f}%  {alone}"
+        )
+    for schedule, values in peaks.items():
+        growth = max(values[1:], default=values[0]) / values[0] - 1.0
+        verdict = "flat or falling: MET" if growth <= 1e-3 else f"grows up to {100 * growth:+.1f}%: missed"
+        lines.append(f"{schedule}: {' / '.join(f'{v:.1f}' for v in values)} GiB -> {verdict}")
+    if out.get("part_b_bound"):
+        lines.append(
+            "\nBound on holding the peak at pp 4's best deeper (H100 link, each way): at the tightest moment "
+            "of the plain order (rank, time), need = live bytes - target, can = the most any placement can "
+            "have off the device then (out after each chunk's forward starts, back before its next backward "
+            "ends, plus the plan's room as slack); step cap = what one direction carries in the +10% step"
+        )
+        head = (
+            f"{'schedule':<17}{'pp':>4}{'target':>8}{'reached':>9}  {'plan (lowest need/can)':<24}{'rank':>5}"
+            f"{'t s':>7}{'live':>8}{'need':>8}{'can':>8}{'need/can':>10}{'step cap':>10}{'need/cap':>10}"
+        )
+        lines += [head, "-" * len(head)]
+        for b in out["part_b_bound"]:
+            lines.append(
+                f"{b['schedule']:<17}{b['pp']:>4}{b['target_gib']:>8.1f}{b['reached_gib']:>9.1f}  "
+                f"{b['plan']:<24}{b['rank']:>5}{b['time_s']:>7.2f}{b['live_gib']:>8.1f}{b['need_gib']:>8.1f}"
+                f"{b['can_gib']:>8.1f}{b['need_can']:>10.2f}{b['step_cap_gib']:>10.1f}"
+                f"{b['need_gib'] / b['step_cap_gib']:>10.2f}"
+            )
+        for b in out["part_b_bound"]:
+            if b["reached_gib"] <= b["target_gib"] * (1 + 1e-3):
+                continue
+            why = (
+                "out of the link's reach for every plan that fits"
+                if b["need_can"] > 1
+                else f"not excluded by the link, but {100 * b['need_can']:.0f}% of what it can have off then"
+            )
+            lines.append(
+                f"{b['schedule']} pp {b['pp']}: holding {b['target_gib']:.1f} GiB needs "
+                f"{b['need_gib']:.1f} GiB off the device on rank {b['rank']} at {b['time_s']:.2f} s "
+                f"({b['plan']}, {b['live_gib']:.1f} GiB live), at most {b['can_gib']:.1f} GiB can be: {why}; "
+                f"reached {b['reached_gib']:.1f} GiB"
+            )
+    for p in out.get("part_b_pruned", ()):
+        lines.append(
+            f"(pruned: {p['schedule']} pp {p['pp']} {p['plan']} + budget offload: the link bound for the "
+            f"best peak found before it is {p['need_can']:.2f} > 1)"
+        )
+    return lines
+
+
 def report(out: dict[str, Any]) -> str:
     lines = _groups_text(out["groups"]) if out.get("groups") else []
     head = (
@@ -452,26 +610,7 @@ def report(out: dict[str, Any]) -> str:
         )
     lines += _old_new_text(groups)
     lines += _granularity_text(groups)
-    lines.append(
-        "\nLlama-3-70B, H100, seq 8192, m = 2 pp: activation peak per rank (GiB), none vs best within +10%"
-    )
-    head = (
-        f"{'schedule':<17}{'pp':>4}{'none':>8}{'best':>8}{'policy':>24}{'slower':>9}{'cut':>8}"
-        f"{'need/cap 50%':>14}  best without recompute"
-    )
-    lines += [head, "-" * len(head)]
-    groups = {}
-    for r in out["part_b"]:
-        groups.setdefault((r["schedule"], r["pp"]), []).append(r)
-    for (schedule, pp), rows in groups.items():
-        best = best_within(rows, 0.10)
-        plain = best_within([r for r in rows if r["recompute"] == "none"], 0.10)
-        lines.append(
-            f"{schedule:<17}{pp:>4}{rows[0]['activation_gib']:>8.1f}{best['activation_gib']:>8.1f}"
-            f"{_name(best):>24}{100 * best['slowdown']:>+8.1f}%{100 * best['cut']:>7.1f}%"
-            f"{best['need_ratio']['50%']:>14.2f}  {plain['activation_gib']:.1f} GiB ({_name(plain)}, "
-            f"{100 * plain['slowdown']:+.1f}%)"
-        )
+    lines += _depth_text(out)
     if out.get("part_c"):
         lines.append(
             "\nLlama-3-70B, seq 8192, m = 2 pp, budget offload, no recompute: activation peak per rank (GiB) "

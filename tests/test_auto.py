@@ -276,3 +276,78 @@ def test_budget_offload_wins_when_whole_chunks_cannot_hide() -> None:
     blind = dataclasses.replace(meas, stages=tuple(dataclasses.replace(s, layers=0) for s in meas.stages))
     blind_pick = choose(blind, offload=["budget"], **{**picks, "memory_limit": None})
     assert blind_pick.candidates[0].offloaded_share == 0
+
+
+# --- two-mode recompute plans --------------------------------------------------------------------------
+
+
+def _planner_measurement(d: int, m: int, seq: int) -> Measurement:
+    """What a probe would measure on an H100 for Llama-3-8B at this setting, as the planner predicts it
+    (pass times from FLOPs, saved bytes per stage, one copy per layer at the host link's rate)."""
+    from pp_offload.plan.handoff import planner_setup
+    from pp_offload.plan.shapes import SHAPES
+
+    setup = planner_setup(
+        SHAPES["llama-3-8b"], schedule="ScheduleVHalf", pp=d, seq_len=seq, microbatch_size=1,
+        num_microbatches=m, machine="H100",
+    )  # fmt: skip
+    stages = tuple(
+        StageMeasurement(
+            F=st.times.F,
+            I=st.times.I,
+            W=st.times.W,
+            saved_bytes=int(st.activation.saved),
+            offload=setup.layer_copy * st.layers,
+            reload=setup.layer_copy * st.layers,
+            layers=st.layers,
+        )
+        for st in setup.stages
+    )
+    return Measurement(d, stages, device="planner: H100")
+
+
+def test_auto_picks_a_two_mode_recompute_plan_where_it_is_fastest_within_budget() -> None:
+    """Llama-3-8B, seq 4096, pp 4, m 8 on the H100 as the planner predicts it, V-Half without offload, half
+    of 1F1B's activation memory: selective recompute of three of each stage's four layers with the MLP-only
+    recompute on the fourth fits and is faster than every one-mode plan that fits (selective on every
+    layer: ``selective:0.75`` alone keeps too much), by more than auto's 1% tie."""
+    from pp_offload.plan.auto import DEFAULT_RECOMPUTE, recompute_options
+    from pp_offload.plan.shapes import SHAPES
+
+    measured = _planner_measurement(4, 8, 4096)
+    options = recompute_options(SHAPES["llama-3-8b"], seq_len=4096)
+    assert [o.label for o in options] == list(DEFAULT_RECOMPUTE)
+    assert {"selective:0.5,mlp", "selective:0.75,mlp"} <= set(DEFAULT_RECOMPUTE)
+    kw = {"num_microbatches": 8, "memory_limit": 0.5, "schedules": ["ScheduleVHalf"], "offload": ["none"]}
+    decision = choose(measured, **kw, recompute=options)
+    assert decision.recompute == "selective:0.75,mlp"
+    assert all(p <= b for p, b in zip(decision.peak_bytes, decision.budget_bytes, strict=True))
+    one_mode = choose(measured, **kw, recompute=[o for o in options if o.rest == "none"])
+    assert one_mode.recompute == "selective"  # the two-mode plan's place without it
+    assert decision.predicted_step_s < one_mode.predicted_step_s * (1 - 0.01)
+    fitting = [c for c in decision.candidates if c.fits]
+    assert min(c.predicted_step_s for c in fitting) == decision.predicted_step_s
+    # the plan without its second mode does not fit: the MLP-only recompute of the fourth layer buys it
+    share = next(c for c in decision.candidates if c.recompute == "selective:0.75")
+    assert not share.fits
+    assert (
+        AutoDecision.from_dict(json.loads(json.dumps(decision.to_dict()))).recompute == "selective:0.75,mlp"
+    )
+
+
+def test_two_mode_option_rescales_each_layer_by_its_mode() -> None:
+    """``selective:0.5,mlp`` on 4-layer stages: two layers lose selective's bytes and gain its recompute
+    time, the other two the MLP-only recompute's; a two-mode plan is named as the recipe reads it."""
+    from pp_offload.plan.auto import RecomputeOption
+
+    measured = Measurement.uniform(2, F=0.010, I=0.012, W=0.008, saved_bytes=64 * MiB, layers=4)
+    option = RecomputeOption("selective", 0.45, 0.2, 0.5, "mlp", rest_kept_share=0.7, rest_forward_share=0.05)
+    assert option.label == "selective:0.5,mlp"
+    st, base = option.apply(measured).stages[1], measured.stages[1]
+    per_layer = base.saved_bytes / 4
+    assert st.saved_bytes == round(base.saved_bytes - per_layer * (2 * 0.55 + 2 * 0.3))
+    assert st.I == pytest.approx(base.I + (0.010 / 4) * (2 * 0.2 + 2 * 0.05))
+    with pytest.raises(ValueError, match="share below 1"):
+        RecomputeOption("selective", 0.45, 0.2, 1.0, "mlp")
+    with pytest.raises(ValueError, match="rest_kept_share"):
+        RecomputeOption("selective", 0.45, 0.2, 0.5, "mlp", rest_kept_share=0.0)

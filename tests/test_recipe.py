@@ -249,22 +249,26 @@ def test_auto_schedule_probes_chooses_the_same_everywhere_and_trains_exactly(
 
 
 def test_auto_judges_recompute_only_when_unset_and_applies_its_pick(tmp_path: Path) -> None:
-    """schedule: auto offers MLP-only, selective (on half, three quarters and all of each stage's layers)
-    and full recompute of this model's layers to `choose` (kept byte shares from the planner's formulas)
-    unless train.activation_checkpointing is set, and the chosen mode
-    reaches the real pipeline's config; a decision without recompute keeps the user's setting."""
+    """schedule: auto offers MLP-only, selective (on half, three quarters and all of each stage's layers;
+    on half and three quarters with MLP-only on the others) and full recompute of this model's layers to
+    `choose` (kept byte shares from the planner's formulas) unless train.activation_checkpointing is set,
+    and the chosen mode reaches the real pipeline's config; a decision without recompute keeps the user's
+    setting."""
     from types import SimpleNamespace
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from pp_offload.plan.auto import DEFAULT_RECOMPUTE
     from pp_offload.recipe.auto import chosen_config, machine_preset, recompute_candidates
 
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"}))
     auto = {"pipeline__schedule": "auto", "pipeline__memory_limit": 0.5}
     config = RecipeConfig.from_dict(_config(tmp_path, **auto))
     options = recompute_candidates(config, model, torch.device("cpu"))
-    assert [o.label for o in options] == ["mlp", "selective:0.5", "selective:0.75", "selective", "full"]
-    mlp, selective, full = options[0], options[3], options[4]
+    assert [o.label for o in options] == list(DEFAULT_RECOMPUTE)  # two-mode plans included
+    by_label = {o.label: o for o in options}
+    mlp, selective, full = by_label["mlp"], by_label["selective"], by_label["full"]
+    assert by_label["selective:0.75,mlp"].rest == "mlp"
     assert 0 < full.kept_share < selective.kept_share < mlp.kept_share < 1 and full.forward_share == 1
     set_by_user = RecipeConfig.from_dict(_config(tmp_path, train__activation_checkpointing="full", **auto))
     assert recompute_candidates(set_by_user, model, torch.device("cpu")) == []
@@ -282,6 +286,59 @@ def test_auto_judges_recompute_only_when_unset_and_applies_its_pick(tmp_path: Pa
     assert chosen.train.activation_checkpointing == "selective:0.75"
     without = SimpleNamespace(**{**vars(decision), "recompute": "none"})
     assert chosen_config(set_by_user, without).train.activation_checkpointing == "full"
+
+
+def _spied_worker(rank: int, world: int, config: dict, cache: str) -> tuple[list[float], list]:
+    """`_worker` for one config, recording each call of the runtime's activation checkpointing (the mode
+    it was given, the layers it wrapped on this rank)."""
+    import pp_offload.parallel as parallel
+
+    applied, real = [], parallel.activation_checkpointing
+
+    def spy(split, **kw):
+        wrapped = real(split, **kw)
+        applied.append((kw["mode"], wrapped))
+        return wrapped
+
+    parallel.activation_checkpointing = spy
+    try:
+        return _run(config, cache), applied
+    finally:
+        parallel.activation_checkpointing = real
+
+
+def _spied_pair(rank: int, world: int, configs: list[dict], cache: str) -> list[tuple[list[float], list]]:
+    return [_spied_worker(rank, world, config, cache) for config in configs]
+
+
+def test_auto_two_mode_recompute_pick_runs_end_to_end(tmp_path: Path, cache: str) -> None:
+    """A two-mode plan as `choose` names it (``"selective:0.5,mlp"``; tests/test_auto.py has a planner
+    setting where auto picks one) goes through `chosen_config`, the recipe's config check and the pipeline
+    build of 2 ranks to the runtime: each rank's 2 layers are both checkpointed (one selectively, one
+    MLP-only), and the losses equal the same decision's run without recompute (recompute is exact)."""
+    from types import SimpleNamespace
+
+    from pp_offload.recipe.auto import chosen_config
+
+    config = RecipeConfig.from_dict(_config(tmp_path / "plan", steps=2, output__export=False))
+    COSTS = {"F": 1.0, "I": 1.0, "W": 1.0, "comm": 0.0, "transfer": 0.0}  # noqa: N806
+    decision = SimpleNamespace(
+        schedule="ScheduleVHalf",
+        offload="none",
+        memory_limit=None,
+        costs=COSTS,
+        recompute="selective:0.5,mlp",
+    )
+    chosen = chosen_config(config, decision).to_dict()
+    assert chosen["train"]["activation_checkpointing"] == "selective:0.5,mlp"
+    plain = chosen_config(config, SimpleNamespace(**{**vars(decision), "recompute": "none"})).to_dict()
+    plain["output"]["dir"] = str(tmp_path / "plain")
+    assert plain["train"]["activation_checkpointing"] is False
+    (losses, applied), (plain_losses, none_applied) = run_on_ranks(
+        _spied_pair, 2, [chosen, plain], cache, timeout=240
+    )[0]
+    assert applied == [("selective:0.5,mlp", 2)] and none_applied == []
+    _close(losses, plain_losses)  # the same order and layers: recompute changes nothing
 
 
 def _preflight(config: dict, pp: int = 2, layers: int | None = 4) -> None:

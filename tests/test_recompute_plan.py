@@ -13,7 +13,13 @@ from test_plan import SMALL_LLAMA
 from pp_offload.order import Costs, v_half_order, v_zb_order
 from pp_offload.order.offload import plan_offload
 from pp_offload.plan import plan
-from pp_offload.plan.auto import Measurement, RecomputeOption, choose, recompute_options
+from pp_offload.plan.auto import (
+    DEFAULT_RECOMPUTE,
+    Measurement,
+    RecomputeOption,
+    choose,
+    recompute_options,
+)
 from pp_offload.plan.costs import layer_flops, recompute_seconds, stage_times
 from pp_offload.plan.machines import A100, GH200, H100, H200, resolve_machine
 from pp_offload.plan.memory import (
@@ -225,13 +231,23 @@ def test_choose_considers_recompute_options():
     assert st.F == base.F and st.I == pytest.approx(base.I + 4 * (0.010 / 4) * 0.2)
     assert st.saved_bytes == round(base.saved_bytes * 0.45)
     assert applied.stages[0].I == measured.stages[0].I  # torch's stage 0: one backward, at W
-    options = recompute_options(LLAMA_8B, seq_len=4096)
-    assert [o.label for o in options] == ["mlp", "selective:0.5", "selective:0.75", "selective", "full"]
-    assert all(o.kept_share == options[3].kept_share for o in options[1:4])  # the same layer mode
-    assert 0.4 < options[3].kept_share < 0.5 and options[4].forward_share == pytest.approx(1.0)
+    options = {o.label: o for o in recompute_options(LLAMA_8B, seq_len=4096)}
+    assert list(options) == list(DEFAULT_RECOMPUTE)
+    assert DEFAULT_RECOMPUTE[0] == "mlp" and DEFAULT_RECOMPUTE[-2:] == ("selective", "full")
+    sel, mlp = options["selective"], options["mlp"]
+    assert all(options[k].kept_share == sel.kept_share for k in ("selective:0.5", "selective:0.75"))
+    assert 0.4 < sel.kept_share < 0.5 and options["full"].forward_share == pytest.approx(1.0)
     # mlp: about 70% of the bytes stay, for a quarter of selective's recompute time
-    assert 0.65 < options[0].kept_share < 0.75
-    assert options[0].forward_share == pytest.approx(options[3].forward_share * 143360 / 565248)
+    assert 0.65 < mlp.kept_share < 0.75
+    assert mlp.forward_share == pytest.approx(sel.forward_share * 143360 / 565248)
+    # two modes: selective on the share, the MLP-only recompute's figures on the other layers
+    mixed = options["selective:0.75,mlp"]
+    assert (mixed.kept_share, mixed.forward_share) == (sel.kept_share, sel.forward_share)
+    assert (mixed.rest, mixed.rest_kept_share, mixed.rest_forward_share) == (
+        "mlp",
+        mlp.kept_share,
+        mlp.forward_share,
+    )
     # a share: only the first ceil(share x 4) = 2 layers of each stage lose bytes and gain recompute time
     half = RecomputeOption("selective", kept_share=0.45, forward_share=0.2, share=0.5).apply(measured)
     assert half.stages[1].saved_bytes == round(base.saved_bytes - 2 * (base.saved_bytes / 4) * 0.55)

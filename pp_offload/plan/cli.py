@@ -9,6 +9,7 @@ and the recommendation with its reason; ``--plot`` draws the candidates and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import textwrap
@@ -163,6 +164,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "selective:0.5,mlp selective:0.75,mlp selective full)",
     )
     p.add_argument(
+        "--within",
+        type=float,
+        default=None,
+        metavar="SLOWDOWN",
+        help="instead of the fastest that fits: per schedule, the lowest activation peak within this "
+        "step-time slowdown (0.1 = +10%%) over the recompute plans (every share the stages express) alone "
+        "and with budget offload in what they leave (pp_offload.plan.within; ignores --offload, "
+        "--recompute and the memory limit)",
+    )
+    p.add_argument(
         "--search",
         default="auto",
         choices=("auto", "full", "fast"),
@@ -196,6 +207,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     from pp_offload.plan.planner import PlanError, plan
 
+    if args.within is not None:
+        return _within_from_args(args)
     kwargs = {
         "seq_len": args.seq_len,
         "microbatch_size": args.microbatch_size,
@@ -246,6 +259,48 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.plot is not None:
         print(f"wrote {result.plot(args.plot)}")
     return status
+
+
+def _within_from_args(args: argparse.Namespace) -> int:
+    """``--within``: `lowest_peak_within` for each schedule of ``--schedules`` (default: V-Half)."""
+    from pp_offload.plan.machines import resolve_machine
+    from pp_offload.plan.orders import canonical_schedule
+    from pp_offload.plan.within import lowest_peak_within
+
+    try:
+        machine = resolve_machine(
+            args.machine,
+            flops=args.flops * 1e12 if args.flops else None,
+            host_bandwidth=args.host_bandwidth * 1e9 if args.host_bandwidth else None,
+            mfu=args.mfu,
+            p2p_bandwidth=args.p2p_bandwidth * 1e9 if args.p2p_bandwidth else None,
+        )
+        setting = {
+            "pp": args.pp,
+            "seq_len": args.seq_len,
+            "microbatch_size": args.microbatch_size,
+            "num_microbatches": args.microbatches,
+            "machine": machine,
+            "dtype": args.dtype,
+            "dp": args.dp,
+            "dp_shard": args.dp_shard,
+            "lora_rank": args.lora_rank,
+        }
+        names = [canonical_schedule(s) for s in args.schedules or ["ScheduleVHalf"]]
+        found = {
+            n: lowest_peak_within(args.model, schedule=n, slowdown=args.within, **setting) for n in names
+        }
+    except (ValueError, TypeError, RuntimeError) as e:
+        print(f"pp-offload plan: error: {e}", file=sys.stderr)
+        return 2
+    print("\n\n".join(result.table(name) for name, result in found.items()))
+    if args.json is not None:
+        rows = {name: [dataclasses.asdict(r) for r in result.rows] for name, result in found.items()}
+        best = {name: dataclasses.asdict(result.best) for name, result in found.items()}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"within": args.within, "best": best, "rows": rows}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _plan_with_p2p(plan, args: argparse.Namespace, kwargs: dict):
