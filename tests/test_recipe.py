@@ -410,6 +410,18 @@ def test_config_reader_names_unknown_keys_and_world_mismatch(
         preflight(hybrid, Topology(rank=0, world=4, local_rank=0, pp=2, dp=2), 4)
 
 
+def test_config_dict_reads_back_to_the_same_config(tmp_path: Path) -> None:
+    """``to_dict`` -> ``from_dict`` gives the config back, with and without LoRA: a config dumped without
+    LoRA (summary.json, `chosen_config(...).to_dict()`) must not come back as a LoRA run (a ``lora``
+    section, even empty, turns LoRA on)."""
+    plain = RecipeConfig.from_dict(_config(tmp_path))
+    assert plain.lora is None and "lora" not in plain.to_dict()
+    assert RecipeConfig.from_dict(plain.to_dict()) == plain
+    with_lora = RecipeConfig.from_dict({**_config(tmp_path), "lora": {"r": 4}})
+    back = RecipeConfig.from_dict(with_lora.to_dict())
+    assert back == with_lora and back.lora is not None and back.lora.r == 4
+
+
 def test_set_reaches_into_mappings_at_any_depth(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(

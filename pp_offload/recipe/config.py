@@ -230,7 +230,13 @@ class RecipeConfig:
     lora: LoraConfig | None = None  # a ``lora:`` section (even empty) turns LoRA on
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Nested dicts that `from_dict` reads back to an equal config. Without LoRA the ``lora`` key is
+        left out rather than written as None: a ``lora`` section, even an empty one, turns LoRA on, so a
+        None there would come back as a LoRA run with default adapters."""
+        data = dataclasses.asdict(self)
+        if self.lora is None:
+            del data["lora"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "config") -> RecipeConfig:
