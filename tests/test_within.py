@@ -171,3 +171,40 @@ def test_offload_trials_try_layer_and_sublayer_units_where_a_plan_has_sub_layer_
         lowest_peak_within(
             LLAMA_8B, schedule="ScheduleVHalf", slowdown=0.1, granularities=("half",), **SETTING
         )
+
+
+def test_gap_splits_a_missed_target_into_placement_and_link_at_the_tightest_moment():
+    """`WithinResult.gap`: at the bound's tightest pass, the bytes a budget plan has off the device are
+    what `activation_level` counts there (held vs without copies); no placement has more off than the
+    bound allows with the plan's room (soundness, as for the peak), and `reach_at` at the bound's moment
+    gives the bound's own live bytes and reach."""
+    from pp_offload.order.offload_inputs import activation_level, activation_peaks
+    from pp_offload.plan.link_bound import reach_at
+
+    found = lowest_peak_within(
+        LLAMA_8B, schedule="ScheduleInterleaved1F1B", slowdown=0.10, families=("none",), **SETTING
+    )
+    row = next(r for r in found.rows if r.offload != "none")
+    plan = found.plans[(row.recompute, row.offload)]
+    stage_bytes = found.setups["none"].offload_inputs().stage_bytes
+    # the level over the replay peaks where activation_peaks says; copies only ever lower it
+    for rank, peak in enumerate(activation_peaks(plan.sim, stage_bytes, plan.layered)):
+        times = sorted({t for _, s, e in plan.sim.timeline[rank] for t in (s, e)})
+        levels = [activation_level(plan.sim, stage_bytes, rank, t, plan.layered) for t in times]
+        assert max(h for h, _ in levels) == peak
+        assert all(h <= w for h, w in levels) and any(h < w for h, w in levels)
+    target = 0.8 * row.peak  # below what the plan reached: a missed target
+    gap = found.gap(row, target=target, bandwidth=H100_BW)
+    bound = found.bound(found.alone("none"), target=target, bandwidth=H100_BW)
+    assert (gap.rank, gap.chunk, gap.need, gap.can) == (bound.rank, bound.chunk, bound.need, bound.can)
+    assert 0 < gap.off <= gap.can and gap.can_plain <= gap.can and gap.idle_after >= 0.0
+    setup, orders = found.setups["none"], found.orders["none"]
+    plain = simulate(orders.orders[orders.sizes[-1]], setup.costs)
+    slack = found.limit_s - found.alone("none").step_s
+    live, can = reach_at(
+        plain, stage_bytes, rank=bound.rank, time_s=bound.time_s, bandwidth=H100_BW, slack=slack
+    )
+    assert (live, can) == (bound.live, bound.can)
+    assert reach_at(plain, stage_bytes, rank=bound.rank, time_s=bound.time_s, bandwidth=H100_BW)[1] == (
+        gap.can_plain
+    )

@@ -34,9 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pp_offload.order.actions import F
+from pp_offload.order.offload_inputs import activation_level
 from pp_offload.plan.evaluate import Setup, build_orders, combine, evaluate_orders, simulation_sizes
 from pp_offload.plan.handoff import planner_setup
-from pp_offload.plan.link_bound import LinkBound, link_bound
+from pp_offload.plan.link_bound import LinkBound, LinkGap, link_bound, reach_at
 from pp_offload.plan.machines import resolve_machine
 from pp_offload.recompute_plan import parse_recompute
 from pp_offload.sim import simulate
@@ -100,6 +102,9 @@ class WithinResult:
     """recompute plan -> its orders (`pp_offload.plan.evaluate.OrderSet`)."""
     pruned: dict[str, float] = field(default_factory=dict)
     """recompute plan -> need/can of the link bound that ruled out its offload trial (``prune``)."""
+    plans: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+    """(recompute plan, offload label) -> the offload trial's plan at the last simulated size
+    (`pp_offload.order.offload.OffloadPlan`), for `gap`."""
 
     @property
     def limit_s(self) -> float:
@@ -110,8 +115,12 @@ class WithinResult:
 
     @property
     def best(self) -> WithinRow:
-        """The lowest peak within the allowance (ties: the faster)."""
-        return min((r for r in self.rows if self.fits(r)), key=lambda r: (r.peak, r.step_s))
+        """The lowest peak within the allowance (ties: the faster, then whole-layer units: a sub-layer
+        trial that places the same bytes at the same time differs from the layer trial in rounding only)."""
+        return min(
+            (r for r in self.rows if self.fits(r)),
+            key=lambda r: (r.peak, round(r.step_s, 9), r.granularity != "layer"),
+        )
 
     def bound(self, alone: WithinRow, *, target: float, bandwidth: float) -> LinkBound:
         """`pp_offload.plan.link_bound.link_bound` of plan ``alone``'s order (no offload) for a per-rank
@@ -122,6 +131,39 @@ class WithinResult:
         stage_bytes = setup.offload_inputs().stage_bytes
         slack = max(0.0, self.limit_s - alone.step_s)
         return link_bound(sim, stage_bytes, target=target, bandwidth=bandwidth, slack=slack)
+
+    def gap(self, row: WithinRow, *, target: float, bandwidth: float) -> LinkGap:
+        """Where offload trial ``row`` falls short of a per-rank peak of ``target`` bytes, at the tightest
+        moment of the bound (`bound` of its plan alone): the bytes needed off the device there, what the
+        trial's placement has off at that same forward pass (its replay runs later on the clock), and what
+        any placement could have off in the plain timing and with the plan's room (`LinkGap`)."""
+        alone = self.alone(row.recompute)
+        found = self.bound(alone, target=target, bandwidth=bandwidth)
+        if found.need <= 0:
+            raise ValueError(f"{row.recompute} alone already stays within {target} bytes: no gap to split")
+        setup, orders = self.setups[row.recompute], self.orders[row.recompute]
+        plain = simulate(orders.orders[orders.sizes[-1]], setup.costs)
+        _, can_plain = reach_at(
+            plain,
+            setup.offload_inputs().stage_bytes,
+            rank=found.rank,
+            time_s=found.time_s,
+            bandwidth=bandwidth,
+        )
+        plan = self.plans[(row.recompute, row.offload)]
+        start = next(
+            t
+            for (stage, kind, mb), t, _ in plan.sim.timeline[found.rank]
+            if kind == F and (stage, mb) == found.chunk
+        )
+        stage_bytes = setup.offload_inputs(row.granularity).stage_bytes
+        held, without = activation_level(plan.sim, stage_bytes, found.rank, start, plan.layered)
+        passes = plain.timeline[found.rank]
+        at = next(
+            i for i, ((st, kind, mb), _, _) in enumerate(passes) if kind == F and (st, mb) == found.chunk
+        )
+        idle = passes[at + 1][1] - passes[at][2] if at + 1 < len(passes) else 0.0
+        return LinkGap(found.rank, found.chunk, found.need, without - held, can_plain, found.can, idle)
 
     def table(self, schedule: str = "") -> str:
         """The plain row, the best, and every offload trial (GiB, s), with the pruned trials' bounds."""
@@ -199,6 +241,7 @@ def lowest_peak_within(
     cache: dict[str, dict] = {}
     base = _row(cache, model, schedule, "none", None, setting)
     result = WithinResult(slowdown, base, [base], cache["setups"], cache["orders"])
+    result.plans = cache.setdefault("plans", {})
     layers = result.setups["none"].layers
     kept: list[WithinRow] = []
     for family in families:
@@ -275,12 +318,13 @@ def _row(
     setup, built = setups[recompute], orders[recompute]
     m = setting["num_microbatches"]
     policy = "none" if room is None else {"mode": "budget", "max_slowdown": room, "granularity": granularity}
-    summary = combine(evaluate_orders(setup, built, policy), m)
+    results = evaluate_orders(setup, built, policy)
+    summary = combine(results, m)
     rank_saved = max(
         m * sum(setup.stages[s].activation.saved for s in setup.layout.stages_of(r))
         for r in range(setup.layout.num_ranks)
     )
-    return WithinRow(
+    row = WithinRow(
         recompute=recompute,
         offload="none" if room is None else f"budget:auto:{room:.4f}" + _SUFFIX[granularity],
         step_s=summary["makespan"],
@@ -290,6 +334,9 @@ def _row(
         room=0.0 if room is None else room,
         granularity=granularity,
     )
+    if results[-1].plan is not None:
+        cache.setdefault("plans", {})[(recompute, row.offload)] = results[-1].plan
+    return row
 
 
 _SUFFIX = {"layer": "", "sublayer": ":sublayer"}
