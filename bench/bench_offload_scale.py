@@ -31,12 +31,16 @@ Two parts:
     V-Half and Interleaved1F1B, the lowest peak within +10% step time searched by
     `pp_offload.plan.within.lowest_peak_within`: the recompute plan families none, mlp, selective:S,
     selective:S,mlp, full:S,selective and full:S at every share S the stages' layer counts express, each
-    family's lowest-peak plan that fits alone, then with budget offload within what it leaves of 10%
-    (skipped where the link bound shows it cannot beat the best found so far). Target: that peak stays
-    flat from pp 4 to pp 16. Then, at pp 8 and 16, the link bound on holding pp 4's best peak
-    (`pp_offload.plan.link_bound`): for every plan that fits alone, at the tightest moment of its order,
-    the bytes that must be off the device vs the most any placement can have off then (need/can), and
-    vs what one direction of the link carries in the +10% step (need/cap).
+    family's lowest-peak plan that fits alone, then with budget offload within what it leaves of 10%,
+    in whole-layer and in sub-layer units (``budget@0.1:sublayer``; plans that checkpoint every layer
+    whole have no sub-layer split and get the layer trial only; trials skipped where the link bound shows
+    they cannot beat the best found so far). Target: that peak stays flat from pp 4 to pp 16. Then, at
+    pp 8 and 16, the link bound on holding pp 4's best peak (`pp_offload.plan.link_bound`): for every plan
+    that fits alone, at the tightest moment of its order, the bytes that must be off the device vs the
+    most any placement can have off then (need/can), and vs what one direction of the link carries in
+    the +10% step (need/cap); where the target is missed, the split of the gap at that moment
+    (`pp_offload.plan.within.WithinResult.gap`): what the best plan's placement has off, what any
+    placement could have off in the plain order's timing, and with the step-time room.
 
 Physical bound, printed beside every row that misses a target: cutting a rank's peak by a share X needs
 at least X of the bytes its chunks save to be off the device while they wait (every chunk passes through
@@ -45,7 +49,7 @@ while one direction of the host link carries at most step time x bandwidth (with
 the offload must still cut after the recompute's own). ``need/cap`` > 1 means the
 target is out of reach at that step time, whatever the schedule.
 
-    python bench/bench_offload_scale.py            # all parts (~9 min on 2 busy cores; part (b) 89 s on one)
+    python bench/bench_offload_scale.py            # all parts (~11 min, 2 busy cores; part (b) ~5 min on one)
     python bench/bench_offload_scale.py --quick    # H100, seq 4096 and pp 4, 8 only (~1 min)
     python bench/bench_offload_scale.py --from-json bench/results/offload_scale.json
 
@@ -230,7 +234,13 @@ def recompute_group_rows(seq: int = 4096) -> list[dict]:
 def run(quick: bool) -> dict[str, Any]:
     from pp_offload.plan.machines import resolve_machine
 
-    out: dict[str, Any] = {"part_a": [], "part_b": [], "part_b_pruned": [], "part_c": []}
+    out: dict[str, Any] = {
+        "part_a": [],
+        "part_b": [],
+        "part_b_pruned": [],
+        "part_b_seconds": [],
+        "part_c": [],
+    }
     out["groups"] = recompute_group_rows()
     seqs = (4096,) if quick else (4096, 16384)
     for machine in ("H100",) if quick else MACHINES_8B:
@@ -266,7 +276,9 @@ def run(quick: bool) -> dict[str, Any]:
                 {"schedule": SHORT[schedule], "pp": pp, "plan": plan, "need_can": ratio}
                 for plan, ratio in found[(schedule, pp)].pruned.items()
             ]
-            print(f"  70B pp {pp} {SHORT[schedule]}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            seconds = time.perf_counter() - start
+            out["part_b_seconds"].append({"schedule": SHORT[schedule], "pp": pp, "seconds": seconds})
+            print(f"  70B pp {pp} {SHORT[schedule]}: {seconds:.0f} s", file=sys.stderr)
     out["part_b_bound"] = depth_bounds(found, pps)
     if not quick:
         out["part_c"] = depth_on_other_links()
@@ -286,12 +298,15 @@ def depth_search(schedule: str, pp: int) -> Any:
 
 def _within_rows(found: Any, *, schedule: str, pp: int) -> list[dict]:
     """`lowest_peak_within`'s rows as the bench's rows (the plain one first; ``budget@0.1``: budget offload
-    within what the plan leaves of +10%)."""
+    within what the plan leaves of +10%, ``:sublayer`` in sub-layer units)."""
     return [
         {
             "schedule": SHORT[schedule],
             "recompute": r.recompute,
-            "policy": "none" if r.offload == "none" else f"budget@{DEPTH_SLOWDOWN:g}",
+            "policy": "none"
+            if r.offload == "none"
+            else f"budget@{DEPTH_SLOWDOWN:g}" + (":sublayer" if r.granularity == "sublayer" else ""),
+            "units": r.units,
             "step_s": r.step_s,
             "activation_gib": r.peak / GIB,
             "activation_per_rank_gib": [a / GIB for a in r.activation],
@@ -310,7 +325,10 @@ def depth_bounds(found: dict, pps: tuple[int, ...]) -> list[dict]:
     plans and offload within +10%) is within the host link's reach (`pp_offload.plan.link_bound`), for each
     recompute plan that fits alone, in the plain order's timing with the plan's room left as slack; the
     plan with the lowest need/can first. Also the issue's whole-step form: the bytes that must be off the
-    device at the tightest moment vs what one direction of the link carries in the step at +10%."""
+    device at the tightest moment vs what one direction of the link carries in the step at +10%. Where
+    the best misses the target, ``gap``: `WithinResult.gap` of the best row (bytes needed off at the best
+    plan's tightest pass, what its placement has off there, what any placement could in the plain timing
+    and with the room; GiB), and the stall it implies: the seconds of lane time the plain timing lacks."""
     from pp_offload.plan.machines import resolve_machine
 
     bandwidth = resolve_machine("H100").host_bandwidth
@@ -341,9 +359,30 @@ def depth_bounds(found: dict, pps: tuple[int, ...]) -> list[dict]:
                     "live_gib": bound.live / GIB,
                     "step_cap_gib": result.limit_s * bandwidth / GIB,
                     "plans": {r.recompute: x for x, r, _ in plans},
+                    "gap": _gap(result, target, bandwidth),
                 }
             )
     return out
+
+
+def _gap(result: Any, target: float, bandwidth: float) -> dict | None:
+    """`depth_bounds`' ``gap`` (None where the best meets the target or moves nothing)."""
+    best = result.best
+    if best.peak <= target * (1 + 1e-3) or best.offload == "none":
+        return None
+    g = result.gap(best, target=target, bandwidth=bandwidth)
+    return {
+        "plan": best.recompute,
+        "units": best.units,
+        "rank": g.rank,
+        "chunk": list(g.chunk),
+        "need_gib": g.need / GIB,
+        "off_gib": g.off / GIB,
+        "can_plain_gib": g.can_plain / GIB,
+        "can_gib": g.can / GIB,
+        "stall_s": max(0.0, g.need - g.can_plain) / bandwidth,
+        "idle_after_s": g.idle_after,
+    }
 
 
 def depth_on_other_links() -> list[dict]:
@@ -507,8 +546,8 @@ def _depth_text(out: dict[str, Any]) -> list[str]:
         "offload in what they leave",
     ]
     head = (
-        f"{'schedule':<17}{'pp':>4}{'none':>8}{'best':>8}  {'plan':<30}{'step s':>8}{'slower':>8}"
-        "  best without recompute"
+        f"{'schedule':<17}{'pp':>4}{'none':>8}{'best':>8}  {'plan':<38}{'units':<10}{'step s':>8}"
+        f"{'slower':>8}  best without recompute"
     )
     lines += [head, "-" * len(head)]
     groups: dict[tuple, list[dict]] = {}
@@ -526,7 +565,8 @@ def _depth_text(out: dict[str, Any]) -> list[str]:
             alone = f"budget@0.1 not run: link bound for {best['activation_gib']:.1f} GiB is {ratio:.2f} > 1"
         lines.append(
             f"{schedule:<17}{pp:>4}{rows[0]['activation_gib']:>8.1f}{best['activation_gib']:>8.1f}  "
-            f"{_name(best):<30}{best['step_s']:>8.2f}{100 * best['slowdown']:>+7.1f}%  {alone}"
+            f"{_name(best):<38}{best.get('units', '-'):<10}{best['step_s']:>8.2f}"
+            f"{100 * best['slowdown']:>+7.1f}%  {alone}"
         )
     for schedule, values in peaks.items():
         growth = max(values[1:], default=values[0]) / values[0] - 1.0
@@ -565,10 +605,55 @@ def _depth_text(out: dict[str, Any]) -> list[str]:
                 f"({b['plan']}, {b['live_gib']:.1f} GiB live), at most {b['can_gib']:.1f} GiB can be: {why}; "
                 f"reached {b['reached_gib']:.1f} GiB"
             )
+    lines += _gap_text(out.get("part_b_bound", ()))
+    for t in out.get("part_b_seconds", ()):
+        lines.append(f"(search time: {t['schedule']} pp {t['pp']}: {t['seconds']:.0f} s)")
     for p in out.get("part_b_pruned", ()):
         lines.append(
             f"(pruned: {p['schedule']} pp {p['pp']} {p['plan']} + budget offload: the link bound for the "
             f"best peak found before it is {p['need_can']:.2f} > 1)"
+        )
+    return lines
+
+
+def _gap_text(bounds: Any) -> list[str]:
+    """Where a missed depth target's gap is (`depth_bounds`' ``gap``): the placement's share (what the
+    best plan has off at the tight pass vs what the plain timing allows) and the link's (the rest, only
+    reachable by holding that forward back for the copies: ``stall``)."""
+    gaps = [b for b in bounds if b.get("gap")]
+    if not gaps:
+        return []
+    lines = [
+        "\nGap at the best plan's tightest pass (GiB): need = bytes off the device there for the target; "
+        "off = what the best plan's placement has off at that pass; plain = the most any placement can have "
+        "off in the plain order's timing; +room = with the plan's step-time room (the bound's can); stall = "
+        "(need - plain) / bandwidth: how long that forward would have to wait for the copy lane; idle = "
+        "the rank's idle time after that forward in the plain order"
+    ]
+    head = (
+        f"{'schedule':<17}{'pp':>4}  {'plan':<22}{'units':<10}{'rank':>5}{'pass':>9}{'need':>8}{'off':>8}"
+        f"{'plain':>8}{'+room':>8}{'off/plain':>10}{'stall s':>9}{'idle s':>8}"
+    )
+    lines += [head, "-" * len(head)]
+    for b in gaps:
+        g = b["gap"]
+        chunk = f"{g['chunk'][0]}F{g['chunk'][1]}"
+        lines.append(
+            f"{b['schedule']:<17}{b['pp']:>4}  {g['plan']:<22}{g['units']:<10}{g['rank']:>5}{chunk:>9}"
+            f"{g['need_gib']:>8.1f}{g['off_gib']:>8.1f}{g['can_plain_gib']:>8.1f}{g['can_gib']:>8.1f}"
+            f"{g['off_gib'] / g['can_plain_gib']:>10.2f}{g['stall_s']:>9.2f}{g['idle_after_s']:>8.2f}"
+        )
+    for b in gaps:
+        g = b["gap"]
+        placement = max(g["can_plain_gib"] - g["off_gib"], 0.0)
+        link = max(g["need_gib"] - g["can_plain_gib"], 0.0)
+        missing = g["need_gib"] - g["off_gib"]
+        waits = " (within the rank's idle time after it)" if g["stall_s"] <= g["idle_after_s"] else ""
+        reach = " reaches them" if g["can_gib"] >= g["need_gib"] else "; out of reach even with the room"
+        lines.append(
+            f"{b['schedule']} pp {b['pp']}: of the {missing:.1f} GiB missing at that pass, {placement:.1f} "
+            f"are the placement's (the plain timing allows them) and {link:.1f} the link's in the plain "
+            f"timing: only a forward held back {g['stall_s']:.2f} s for its copies{waits}{reach}"
         )
     return lines
 

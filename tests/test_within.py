@@ -124,5 +124,87 @@ def test_cli_within_prints_and_writes_the_search(tmp_path, capsys):
         expected.offload,
         list(expected.activation),
     )
+    assert best["granularity"] == expected.granularity and "units" in text
     assert f"best  {expected.recompute}" in text
     assert main([*argv, "--within", "-1"]) == 2 and "slowdown" in capsys.readouterr().err
+
+
+def test_offload_trials_try_layer_and_sublayer_units_where_a_plan_has_sub_layer_units():
+    """Each offload trial is replayed with whole-layer and with sub-layer units, except for a plan that
+    checkpoints every layer as a whole (one unit per layer: the same placement); each row replays as its
+    offload label says; ``granularities=("layer",)`` tries whole layers only."""
+    families = ("none", "selective")  # "selective" checkpoints each layer whole: one unit per layer
+    found = lowest_peak_within(
+        LLAMA_8B, schedule="ScheduleVHalf", slowdown=0.20, families=families, prune=False, **SETTING
+    )
+    trials = {(r.recompute, r.granularity) for r in found.rows if r.offload != "none"}
+    tried = {label for label, _ in trials}
+    assert ("none", "sublayer") in trials and ("none", "layer") in trials
+    split = {label: any(len(u) > 1 for st in found.setups[label].units_bytes for u in st) for label in tried}
+    assert set(split.values()) == {True, False}  # plans with and without sub-layer units were tried
+    for label, has_units in split.items():
+        assert (label, "layer") in trials and ((label, "sublayer") in trials) == has_units
+    for r in found.rows:
+        assert r.units == ("-" if r.offload == "none" else r.granularity)
+        assert r.offload.endswith(":sublayer") == (r.granularity == "sublayer" and r.offload != "none")
+    # a row's offload label, replayed, gives the row (the label is what `pp-offload plan` would run)
+    row = next(r for r in found.rows if r.granularity == "sublayer" and r.offload != "none")
+    setup, orders = found.setups[row.recompute], found.orders[row.recompute]
+    again = combine(evaluate_orders(setup, orders, row.offload), SETTING["num_microbatches"])
+    assert max(again["activation"]) == row.peak and again["makespan"] == pytest.approx(row.step_s, rel=1e-3)
+    layer_only = lowest_peak_within(
+        LLAMA_8B,
+        schedule="ScheduleVHalf",
+        slowdown=0.20,
+        families=families,
+        granularities=("layer",),
+        prune=False,
+        **SETTING,
+    )
+    assert {(r.recompute, r.granularity) for r in layer_only.rows if r.offload != "none"} == {
+        (label, "layer") for label in tried
+    }
+    assert found.best.peak <= layer_only.best.peak
+    table = found.table("ScheduleVHalf")
+    assert "units" in table.splitlines()[1] and "sublayer" in table
+    with pytest.raises(ValueError, match="granularities"):
+        lowest_peak_within(
+            LLAMA_8B, schedule="ScheduleVHalf", slowdown=0.1, granularities=("half",), **SETTING
+        )
+
+
+def test_gap_splits_a_missed_target_into_placement_and_link_at_the_tightest_moment():
+    """`WithinResult.gap`: at the bound's tightest pass, the bytes a budget plan has off the device are
+    what `activation_level` counts there (held vs without copies); no placement has more off than the
+    bound allows with the plan's room (soundness, as for the peak), and `reach_at` at the bound's moment
+    gives the bound's own live bytes and reach."""
+    from pp_offload.order.offload_inputs import activation_level, activation_peaks
+    from pp_offload.plan.link_bound import reach_at
+
+    found = lowest_peak_within(
+        LLAMA_8B, schedule="ScheduleInterleaved1F1B", slowdown=0.10, families=("none",), **SETTING
+    )
+    row = next(r for r in found.rows if r.offload != "none")
+    plan = found.plans[(row.recompute, row.offload)]
+    stage_bytes = found.setups["none"].offload_inputs().stage_bytes
+    # the level over the replay peaks where activation_peaks says; copies only ever lower it
+    for rank, peak in enumerate(activation_peaks(plan.sim, stage_bytes, plan.layered)):
+        times = sorted({t for _, s, e in plan.sim.timeline[rank] for t in (s, e)})
+        levels = [activation_level(plan.sim, stage_bytes, rank, t, plan.layered) for t in times]
+        assert max(h for h, _ in levels) == peak
+        assert all(h <= w for h, w in levels) and any(h < w for h, w in levels)
+    target = 0.8 * row.peak  # below what the plan reached: a missed target
+    gap = found.gap(row, target=target, bandwidth=H100_BW)
+    bound = found.bound(found.alone("none"), target=target, bandwidth=H100_BW)
+    assert (gap.rank, gap.chunk, gap.need, gap.can) == (bound.rank, bound.chunk, bound.need, bound.can)
+    assert 0 < gap.off <= gap.can and gap.can_plain <= gap.can and gap.idle_after >= 0.0
+    setup, orders = found.setups["none"], found.orders["none"]
+    plain = simulate(orders.orders[orders.sizes[-1]], setup.costs)
+    slack = found.limit_s - found.alone("none").step_s
+    live, can = reach_at(
+        plain, stage_bytes, rank=bound.rank, time_s=bound.time_s, bandwidth=H100_BW, slack=slack
+    )
+    assert (live, can) == (bound.live, bound.can)
+    assert reach_at(plain, stage_bytes, rank=bound.rank, time_s=bound.time_s, bandwidth=H100_BW)[1] == (
+        gap.can_plain
+    )

@@ -25,7 +25,7 @@ from typing import Any
 
 from pp_offload.order.actions import OFFLOAD, RELOAD, B, Costs, F, I, W
 
-__all__ = ["OffloadInputs", "StageBytes", "activation_peaks"]
+__all__ = ["OffloadInputs", "StageBytes", "activation_level", "activation_peaks"]
 
 
 @dataclass(frozen=True)
@@ -216,39 +216,71 @@ def activation_peaks(
     instead: each moved layer's bytes (`StageBytes.moved_bytes`) from the end of its own copy out to the
     start of its own copy back (``sim.layer_transfers``).
     """
-    layered = layered or {}
     peaks = []
     for rank in sorted(sim.timeline):
-        events: list[tuple[float, int]] = []
-        for (stage, kind, _), start, finish in sim.timeline[rank]:
-            b = stage_bytes[stage]
-            if kind == F:
-                events.append((start, b.total))
-            elif kind == I:
-                events.append((finish, -b.resident))
-            elif kind == W:
-                events.append((finish, -b.saved))
-            elif kind == B:
-                events.append((finish, -b.total))
-        for action, index, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
-            nbytes = stage_bytes[int(action.stage_index)].moved_bytes(index)
-            events.append((finish, -nbytes) if _kind(action) == OFFLOAD else (start, nbytes))
-        for action, start, finish in sim.transfers.get(rank, []):
-            if (int(action.stage_index), int(action.microbatch_index)) in layered:
-                continue  # counted per layer above
-            saved = stage_bytes[int(action.stage_index)].saved
-            kind = _kind(action)
-            if kind == OFFLOAD:
-                events.append((finish, -saved))
-            elif kind == RELOAD:
-                events.append((start, saved))
-        events.sort(key=lambda e: (e[0], e[1]))
         level = peak = 0
-        for _, delta in events:
+        for _, delta in _events(sim, stage_bytes, layered or {}, rank):
             level += delta
             peak = max(peak, level)
         peaks.append(peak)
     return peaks
+
+
+def activation_level(
+    sim: Any,
+    stage_bytes: Sequence[StageBytes],
+    rank: int,
+    time_s: float,
+    layered: Mapping[tuple[int, int], Any] | None = None,
+) -> tuple[int, int]:
+    """``rank``'s device-resident activation bytes at ``time_s`` (every change up to and at that time
+    counted, as `activation_peaks` counts them), and what it would hold then without any copy: their
+    difference is what offload has off the device at that moment (`pp_offload.plan.link_bound` compares
+    it with what any placement could have off)."""
+    held = without = 0
+    for t, delta, copy in _events(sim, stage_bytes, layered or {}, rank, tagged=True):
+        if t > time_s:
+            break
+        held += delta
+        without += 0 if copy else delta
+    return held, without
+
+
+def _events(
+    sim: Any,
+    stage_bytes: Sequence[StageBytes],
+    layered: Mapping[tuple[int, int], Any],
+    rank: int,
+    *,
+    tagged: bool = False,
+) -> list[tuple]:
+    """``rank``'s memory changes (time, bytes), sorted, frees first at equal times; ``tagged``: a third
+    entry saying whether the change is a copy's (OFFLOAD/RELOAD) rather than a pass's."""
+    events: list[tuple[float, int, bool]] = []
+    for (stage, kind, _), start, finish in sim.timeline[rank]:
+        b = stage_bytes[stage]
+        if kind == F:
+            events.append((start, b.total, False))
+        elif kind == I:
+            events.append((finish, -b.resident, False))
+        elif kind == W:
+            events.append((finish, -b.saved, False))
+        elif kind == B:
+            events.append((finish, -b.total, False))
+    for action, index, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
+        nbytes = stage_bytes[int(action.stage_index)].moved_bytes(index)
+        events.append((finish, -nbytes, True) if _kind(action) == OFFLOAD else (start, nbytes, True))
+    for action, start, finish in sim.transfers.get(rank, []):
+        if (int(action.stage_index), int(action.microbatch_index)) in layered:
+            continue  # counted per layer above
+        saved = stage_bytes[int(action.stage_index)].saved
+        kind = _kind(action)
+        if kind == OFFLOAD:
+            events.append((finish, -saved, True))
+        elif kind == RELOAD:
+            events.append((start, saved, True))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return events if tagged else [(t, d) for t, d, _ in events]
 
 
 def _kind(action: Any) -> str:

@@ -170,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SLOWDOWN",
         help="instead of the fastest that fits: per schedule, the lowest activation peak within this "
         "step-time slowdown (0.1 = +10%%) over the recompute plans (every share the stages express) alone "
-        "and with budget offload in what they leave (pp_offload.plan.within; ignores --offload, "
+        "and with budget offload in what they leave, in whole-layer and in sub-layer units (column units; "
+        "pp_offload.plan.within; ignores --offload, "
         "--recompute and the memory limit)",
     )
     p.add_argument(

@@ -417,6 +417,9 @@ class PolicyResult:
     moved_bytes: int = 0  # bytes copied out (and back) over the step
     saved_bytes: int = 0  # bytes all chunks of the step save
     pulled_w: int = 0  # close_w: W passes the offload-aware order moved right after their I
+    plan: Any = field(default=None, repr=False, compare=False)
+    """The offload plan replayed (`pp_offload.order.offload.OffloadPlan`: its sim and layered chunks), None
+    without offload: what moved when, for a caller that asks where a peak's bytes were."""
 
 
 @dataclass
@@ -524,6 +527,7 @@ def evaluate_orders(
                 moved_bytes=moved,
                 saved_bytes=saved,
                 pulled_w=pulled,
+                plan=planned if resolved.enabled else None,
             )
         )
     return results

@@ -34,14 +34,16 @@ import numpy as np
 
 from pp_offload.order.actions import B, F, I, W
 
-__all__ = ["LinkBound", "link_bound", "most_off_device"]
+__all__ = ["LinkBound", "LinkGap", "link_bound", "most_off_device", "reach_at"]
 
 
 @dataclass(frozen=True)
 class LinkBound:
     """The tightest moment of the bound: on ``rank`` at ``time_s`` (the plain order's clock), ``need``
     bytes must be off the device for the target and at most ``can`` can be; ``live`` bytes are held there
-    without offload. ``ratio`` = need / can (0: the target needs no offload anywhere)."""
+    without offload. ``ratio`` = need / can (0: the target needs no offload anywhere). ``chunk``: the
+    (stage, microbatch) whose forward starts at that moment (the same pass can be found in a replay with
+    offload, whose clock runs later)."""
 
     ratio: float
     rank: int
@@ -49,6 +51,27 @@ class LinkBound:
     need: int
     can: int
     live: int
+    chunk: tuple[int, int] = (-1, -1)
+
+
+@dataclass(frozen=True)
+class LinkGap:
+    """A missed target split at `link_bound`'s tightest moment (``rank``, the forward of ``chunk``): ``need``
+    bytes must be off the device there; an offload plan's replay has ``off`` off at that pass (the
+    placement); any placement could have ``can_plain`` off in the plain order's own timing (the lanes' time
+    up to that pass, no step-time room spent) and ``can`` with the room as slack (the bound's figure).
+    ``off`` close to ``can_plain``: the placement takes all the plain timing allows, and the rest needs
+    the order itself to wait for the copies; ``can`` below ``need``: no placement reaches the target.
+    ``idle_after``: seconds the rank's compute idles after that forward in the plain order, a hint of what
+    a forward held back for its copies would cost there."""
+
+    rank: int
+    chunk: tuple[int, int]
+    need: int
+    off: int
+    can_plain: int
+    can: int
+    idle_after: float = 0.0
 
 
 def most_off_device(
@@ -81,26 +104,52 @@ def link_bound(
     of extra time: the moment with the largest need / can over every rank and every forward start."""
     worst = LinkBound(0.0, 0, 0.0, 0, 0, 0)
     for rank in sorted(sim.timeline):
-        passes: dict[tuple[int, int], dict[str, tuple[float, float]]] = {}
-        for (stage, kind, mb), start, finish in sim.timeline[rank]:
-            passes.setdefault((stage, mb), {})[kind] = (start, finish)
-        chunks = []
-        for (stage, _), p in passes.items():
-            f = p[F]
-            backs = sorted(p[k] for k in (I, W, B) if k in p)
-            b = stage_bytes[stage]
-            chunks.append((f[0], backs, b))
-        for t, _, _ in chunks:  # the level jumps at every forward start
-            live = [(f, backs, b) for f, backs, b in chunks if f <= t < backs[-1][1]]
-            level = sum(b.total if t < backs[0][1] else b.saved for _, backs, b in live)
-            need = level - target
+        chunks = _chunks(sim, stage_bytes, rank)
+        for t, _, _, key in chunks:  # the level jumps at every forward start
+            need = _live(chunks, t)[0] - target
             if need <= 0:
                 continue
-            saved = np.array([b.saved for _, _, b in live], dtype=float)
-            ready = np.array([f for f, _, _ in live])
-            due = np.array([next(end for _, end in backs if end > t) for _, backs, _ in live])
-            can = most_off_device(t, saved, ready, due, bandwidth, slack)
+            level, can = _reach(chunks, t, bandwidth, slack)
             ratio = need / can if can > 0 else math.inf
             if ratio > worst.ratio:
-                worst = LinkBound(ratio, rank, t, int(need), int(can), int(level))
+                worst = LinkBound(ratio, rank, t, int(need), int(can), int(level), key)
     return worst
+
+
+def reach_at(
+    sim: Any, stage_bytes: Any, *, rank: int, time_s: float, bandwidth: float, slack: float = 0.0
+) -> tuple[int, int]:
+    """``rank``'s live bytes at ``time_s`` of the replay ``sim`` (no offload) and the most any placement
+    can have off the device then (`most_off_device`). Why at a given moment: to split a missed target at
+    `link_bound`'s tightest moment into the link's share (``slack=0``: what the plain order's own timing
+    lets the lanes carry by then) and the placement's (what a replay with offload has off at that pass,
+    `pp_offload.order.offload_inputs.activation_level`)."""
+    level, can = _reach(_chunks(sim, stage_bytes, rank), time_s, bandwidth, slack)
+    return int(level), int(can)
+
+
+def _chunks(sim: Any, stage_bytes: Any, rank: int) -> list[tuple[float, list, Any, tuple[int, int]]]:
+    """``rank``'s chunks: forward start, backward passes (start, end) in time order, stage bytes, key."""
+    passes: dict[tuple[int, int], dict[str, tuple[float, float]]] = {}
+    for (stage, kind, mb), start, finish in sim.timeline[rank]:
+        passes.setdefault((stage, mb), {})[kind] = (start, finish)
+    return [
+        (p[F][0], sorted(p[k] for k in (I, W, B) if k in p), stage_bytes[key[0]], key)
+        for key, p in passes.items()
+    ]
+
+
+def _live(chunks: list, t: float) -> tuple[int, list]:
+    """The live bytes at ``t`` (a chunk holds its total until its first backward ends, then its saved
+    bytes until its last) and the live chunks."""
+    live = [(f, backs, b) for f, backs, b, _ in chunks if f <= t < backs[-1][1]]
+    return sum(b.total if t < backs[0][1] else b.saved for _, backs, b in live), live
+
+
+def _reach(chunks: list, t: float, bandwidth: float, slack: float) -> tuple[float, float]:
+    """`_live`'s bytes at ``t`` and the most of them any placement can have off the device then."""
+    level, live = _live(chunks, t)
+    saved = np.array([b.saved for _, _, b in live], dtype=float)
+    ready = np.array([f for f, _, _ in live])
+    due = np.array([next(end for _, end in backs if end > t) for _, backs, _ in live])
+    return level, most_off_device(t, saved, ready, due, bandwidth, slack)
