@@ -283,32 +283,13 @@ def test_budget_offload_wins_when_whole_chunks_cannot_hide() -> None:
 
 def _planner_measurement(d: int, m: int, seq: int, *, units: bool = False) -> Measurement:
     """What a probe would measure on an H100 for Llama-3-8B at this setting, as the planner predicts it
-    (pass times from FLOPs, saved bytes per stage, one copy per layer at the host link's rate; with
-    ``units``, each layer's bytes and its sub-layer units' bytes, and the units' FLOP shares)."""
-    from pp_offload.plan.handoff import planner_setup
-    from pp_offload.plan.probe import unit_shares_for
+    (`pp_offload.plan.probe.predicted_measurement`; ``units``: with layer and sub-layer unit bytes)."""
+    from pp_offload.plan.probe import predicted_measurement
     from pp_offload.plan.shapes import SHAPES
 
-    setup = planner_setup(
-        SHAPES["llama-3-8b"], schedule="ScheduleVHalf", pp=d, seq_len=seq, microbatch_size=1,
-        num_microbatches=m, machine="H100",
-    )  # fmt: skip
-    stages = tuple(
-        StageMeasurement(
-            F=st.times.F,
-            I=st.times.I,
-            W=st.times.W,
-            saved_bytes=int(st.activation.saved),
-            offload=setup.layer_copy * st.layers,
-            reload=setup.layer_copy * st.layers,
-            layers=st.layers,
-            layer_bytes=tuple(setup.layers_bytes[s]) if units else (),
-            units=tuple(setup.units_bytes[s]) if units else (),
-        )
-        for s, st in enumerate(setup.stages)
+    return predicted_measurement(
+        SHAPES["llama-3-8b"], pp=d, seq_len=seq, num_microbatches=m, machine="H100", units=units
     )
-    shares = unit_shares_for(SHAPES["llama-3-8b"], seq_len=seq) if units else None
-    return Measurement(d, stages, device="planner: H100", unit_shares=shares)
 
 
 def test_auto_picks_a_two_mode_recompute_plan_where_it_is_fastest_within_budget() -> None:

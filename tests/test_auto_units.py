@@ -161,3 +161,20 @@ def test_recipe_auto_runs_a_sublayer_pick_exactly(tmp_path: Path) -> None:
     assert all(len(u) == 2 for st in measured.stages for u in st.units)  # Llama layers split in two
     reference = _run(_config(tmp_path / "reference", output__export=False, steps=3), cache)
     _matches_one_process(losses, reference)
+
+
+def test_recipe_auto_takes_an_offload_candidate_list_and_checks_it(tmp_path: Path) -> None:
+    """Under ``schedule: auto``, ``pipeline.offload`` may list the policies auto chooses from (checked
+    before any process starts); a single policy is still refused (auto chooses it)."""
+    from test_recipe import _preflight
+
+    from pp_offload.recipe import ConfigError
+
+    auto = {"pipeline__schedule": "auto"}
+    _preflight(_config(tmp_path, pipeline__offload=["none", "budget:sublayer"], **auto))
+    with pytest.raises(ConfigError, match="auto's candidates.*'budget:bogus'"):
+        _preflight(_config(tmp_path, pipeline__offload=["none", "budget:bogus"], **auto))
+    with pytest.raises(ConfigError, match=r"\(auto's candidates\): offload 'auto' depends on costs"):
+        _preflight(_config(tmp_path, pipeline__offload=["auto"], **auto))
+    with pytest.raises(ConfigError, match=r"cannot be set with pipeline.schedule=auto .*\(a list of offload"):
+        _preflight(_config(tmp_path, pipeline__offload="full", **auto))

@@ -33,6 +33,13 @@ only where it is faster among those that fit (recompute never shortens a step): 
 without it, or where it lets a faster schedule fit. The pick's mode is `AutoDecision.recompute`, what the
 recipe's ``train.activation_checkpointing`` must apply.
 
+Budget offload moves a stage's layers one by one, or with ``budget:sublayer`` each layer's attention half
+and rest as two units: the setup carries the bytes the probe measured per layer and per unit (what the
+runtime's captures of each move, `StageMeasurement.layer_bytes` / ``units``) and the units' compute shares
+(`Measurement.unit_shares`), so the offload plan judged is the one the runtime places from
+`AutoDecision.offload_inputs`. A measurement without units (an older probe's JSON) is judged as before,
+per layer from the stage's bytes, and ``budget:sublayer`` is left out (`AutoDecision.notes` says why).
+
 Memory budget per rank: ``memory_limit`` x 1F1B's peak (``2 * min(d, m)`` chunk units, i.e.
 ``min(d, m)`` microbatches of the rank's two V stages' measured bytes), and/or ``activation_budget_bytes``.
 The fastest candidate that fits wins; candidates within 1 % of it are ties, broken by no offload, then less

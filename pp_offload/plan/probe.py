@@ -32,6 +32,7 @@ __all__ = [
     "Measurement",
     "StageMeasurement",
     "measure_step",
+    "predicted_measurement",
     "unit_shares_for",
 ]
 
@@ -351,6 +352,50 @@ def measure_step(
         device=str(store.device),
         unit_shares=unit_shares,
     )
+
+
+def predicted_measurement(
+    model: Any,
+    *,
+    pp: int,
+    seq_len: int,
+    num_microbatches: int,
+    machine: Any = "H100",
+    microbatch_size: int = 1,
+    units: bool = True,
+) -> Measurement:
+    """The `Measurement` a probe would return for ``model`` on ``machine`` as the planner predicts it:
+    pass times from FLOPs, saved bytes per stage (V placement, 2 stages per rank), one copy per layer at
+    the host link's rate, and (``units``) each layer's and sub-layer unit's bytes with the units' FLOP
+    shares. Why: `choose` judged on a GPU-sized model without a GPU (tests, benchmarks, what-ifs)."""
+    from pp_offload.plan.handoff import planner_setup
+
+    setup = planner_setup(
+        model,
+        schedule="ScheduleVHalf",
+        pp=pp,
+        seq_len=seq_len,
+        microbatch_size=microbatch_size,
+        num_microbatches=num_microbatches,
+        machine=machine,
+    )
+    stages = tuple(
+        StageMeasurement(
+            F=st.times.F,
+            I=st.times.I,
+            W=st.times.W,
+            saved_bytes=int(st.activation.saved),
+            offload=setup.layer_copy * st.layers,
+            reload=setup.layer_copy * st.layers,
+            layers=st.layers,
+            layer_bytes=tuple(setup.layers_bytes[s]) if units else (),
+            units=tuple(setup.units_bytes[s]) if units else (),
+        )
+        for s, st in enumerate(setup.stages)
+    )
+    shares = unit_shares_for(model, seq_len=seq_len) if units else None
+    name = machine if isinstance(machine, str) else getattr(machine, "name", "machine")
+    return Measurement(pp, stages, device=f"planner: {name}", unit_shares=shares)
 
 
 def unit_shares_for(model: Any, *, seq_len: int) -> tuple[float, float] | None:

@@ -17,6 +17,10 @@ hardware meet. The probe runs before any weight changes:
    (``AutoDecision.offload_inputs``: per-stage costs, layers, copy times and bytes), so it places the
    predicted plan.
 
+Offload candidates: `choose`'s defaults, or the list given as ``pipeline.offload`` (e.g. ``[none, budget,
+budget:sublayer]``). The probe measures what budget offload would move per decoder layer and per sub-layer
+unit; the units' compute shares come from the planner's FLOPs for the model's config (`unit_shares_for`).
+
 Activation recompute: unless ``train.activation_checkpointing`` is already set (the probe then measures
 with it), ``choose`` also judges selective and full recompute of the decoder layers, from the probe's
 measurement rescaled by the planner's model of this model's layers (`recompute_options`: the share of a
