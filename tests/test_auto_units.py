@@ -33,9 +33,11 @@ def _probe_marks(family: str, plan: str) -> dict:
     with store.capture((0, 0), keep=[x]):
         stage.submod(inputs_embeds=x, use_cache=False)
     undo()
-    with store.capture((0, 1), keep=[x]):  # undone: no more marks
+    marks = found.pop(0)
+    with store.capture((0, 1), keep=[x]):
         stage.submod(inputs_embeds=x, use_cache=False)
-    return found[0]
+    assert found == {}  # undone: the probe's hooks are gone
+    return marks
 
 
 @pytest.mark.parametrize(
