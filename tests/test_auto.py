@@ -281,29 +281,15 @@ def test_budget_offload_wins_when_whole_chunks_cannot_hide() -> None:
 # --- two-mode recompute plans --------------------------------------------------------------------------
 
 
-def _planner_measurement(d: int, m: int, seq: int) -> Measurement:
+def _planner_measurement(d: int, m: int, seq: int, *, units: bool = False) -> Measurement:
     """What a probe would measure on an H100 for Llama-3-8B at this setting, as the planner predicts it
-    (pass times from FLOPs, saved bytes per stage, one copy per layer at the host link's rate)."""
-    from pp_offload.plan.handoff import planner_setup
+    (`pp_offload.plan.probe.predicted_measurement`; ``units``: with layer and sub-layer unit bytes)."""
+    from pp_offload.plan.probe import predicted_measurement
     from pp_offload.plan.shapes import SHAPES
 
-    setup = planner_setup(
-        SHAPES["llama-3-8b"], schedule="ScheduleVHalf", pp=d, seq_len=seq, microbatch_size=1,
-        num_microbatches=m, machine="H100",
-    )  # fmt: skip
-    stages = tuple(
-        StageMeasurement(
-            F=st.times.F,
-            I=st.times.I,
-            W=st.times.W,
-            saved_bytes=int(st.activation.saved),
-            offload=setup.layer_copy * st.layers,
-            reload=setup.layer_copy * st.layers,
-            layers=st.layers,
-        )
-        for st in setup.stages
+    return predicted_measurement(
+        SHAPES["llama-3-8b"], pp=d, seq_len=seq, num_microbatches=m, machine="H100", units=units
     )
-    return Measurement(d, stages, device="planner: H100")
 
 
 def test_auto_picks_a_two_mode_recompute_plan_where_it_is_fastest_within_budget() -> None:

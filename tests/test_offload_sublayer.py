@@ -82,15 +82,12 @@ TINY_GPT2 = {
 SEQ = 96  # every activation above the store's 1024-element floor except norm statistics and the lse
 
 
-def _unit_capture(family: str, plan: str) -> tuple[dict, int]:
-    """A middle stage (4 layers, bf16, sdpa) of a tiny HF model under recompute ``plan``, its forward run with
-    the runtime's sub-layer hooks (`pp_offload.runtime.offload._hook_units`) moving every unit: the bytes
-    each unit's store entry captured, and the units the runtime counts."""
+def tiny_stage(family: str, plan: str) -> tuple[Any, torch.Tensor]:
+    """A middle stage (4 layers, bf16, sdpa) of a tiny HF model under recompute ``plan`` (its module as a
+    pipeline stage's ``submod``) and an input for it."""
     from transformers import AutoModel, GPT2Config, LlamaConfig
 
     from pp_offload.parallel import activation_checkpointing
-    from pp_offload.runtime.offload import OffloadRuntime, _hook_units, stage_units, unit_count
-    from pp_offload.runtime.store import ActivationStore
 
     config = (
         LlamaConfig(**TINY_STAGE, attn_implementation="sdpa")
@@ -102,12 +99,22 @@ def _unit_capture(family: str, plan: str) -> tuple[dict, int]:
     layers = list(model.layers if family == "llama" else model.h)
     if plan != "none":
         activation_checkpointing({0: model}, layers=lambda _: layers, mode=plan)
-    stage = SimpleNamespace(stage_index=0, submod=model)
-    units = stage_units(stage, "sublayer")
+    x = torch.randn(1, SEQ, config.hidden_size).to(torch.bfloat16).requires_grad_(True)
+    return SimpleNamespace(stage_index=0, submod=model), x
+
+
+def unit_capture(family: str, plan: str, granularity: str = "sublayer") -> tuple[dict, int]:
+    """`tiny_stage`'s forward run with the runtime's budget-offload hooks
+    (`pp_offload.runtime.offload._hook_units`) moving every unit (sub-layer units, or whole layers): the
+    bytes each unit's store entry captured, and the units the runtime counts."""
+    from pp_offload.runtime.offload import OffloadRuntime, _hook_units, stage_units, unit_count
+    from pp_offload.runtime.store import ActivationStore
+
+    stage, x = tiny_stage(family, plan)
+    model = stage.submod
+    units = stage_units(stage, granularity)
     runtime = OffloadRuntime(plan=None, store=ActivationStore("cpu"), offloaded=set())  # type: ignore[arg-type]
     _hook_units(stage, runtime, units)
-    hidden = config.hidden_size
-    x = torch.randn(1, SEQ, hidden).to(torch.bfloat16).requires_grad_(True)
     runtime._active = ((0, 0), unit_count(units), [x])
     out = model(inputs_embeds=x, use_cache=False).last_hidden_state
     runtime._active = None
@@ -146,7 +153,7 @@ def test_planner_unit_bytes_equal_what_the_runtime_captures_per_unit(family: str
     kw = {"microbatch_size": 1, "seq_len": SEQ, "recompute": plan, "first": family == "gpt2"}
     units = layers_unit_bytes(spec, "bf16", layers=4, **kw)
     assert [sum(u) for u in units] == layers_activation_bytes(spec, "bf16", layers=4, **kw)
-    captured, count = _unit_capture(family, plan)
+    captured, count = unit_capture(family, plan)
     flat = [b for layer in units for b in layer]
     assert count == len(flat)
     modes = parse_recompute(plan).modes(4)

@@ -33,6 +33,13 @@ only where it is faster among those that fit (recompute never shortens a step): 
 without it, or where it lets a faster schedule fit. The pick's mode is `AutoDecision.recompute`, what the
 recipe's ``train.activation_checkpointing`` must apply.
 
+Budget offload moves a stage's layers one by one, or with ``budget:sublayer`` each layer's attention half
+and rest as two units: the setup carries the bytes the probe measured per layer and per unit (what the
+runtime's captures of each move, `StageMeasurement.layer_bytes` / ``units``) and the units' compute shares
+(`Measurement.unit_shares`), so the offload plan judged is the one the runtime places from
+`AutoDecision.offload_inputs`. A measurement without units (an older probe's JSON) is judged as before,
+per layer from the stage's bytes, and ``budget:sublayer`` is left out (`AutoDecision.notes` says why).
+
 Memory budget per rank: ``memory_limit`` x 1F1B's peak (``2 * min(d, m)`` chunk units, i.e.
 ``min(d, m)`` microbatches of the rank's two V stages' measured bytes), and/or ``activation_budget_bytes``.
 The fastest candidate that fits wins; candidates within 1 % of it are ties, broken by no offload, then less
@@ -61,7 +68,14 @@ from pp_offload.plan.evaluate import (
 )
 from pp_offload.plan.memory import ChunkActivation, StateBytes
 from pp_offload.plan.orders import OURS, canonical_schedule, layout, microbatch_problem, resolve_search
-from pp_offload.plan.probe import PROBE_OFFLOAD, PROBE_SCHEDULE, Measurement, StageMeasurement, measure_step
+from pp_offload.plan.probe import (
+    PROBE_OFFLOAD,
+    PROBE_SCHEDULE,
+    Measurement,
+    StageMeasurement,
+    measure_step,
+    unit_shares_for,
+)
 from pp_offload.recompute_plan import RecomputePlan, parse_recompute
 
 __all__ = [
@@ -79,7 +93,9 @@ __all__ = [
     "choose",
     "costs_for",
     "measure_step",
+    "offload_candidates",
     "recompute_options",
+    "unit_shares_for",
 ]
 
 DEFAULT_SCHEDULES = (
@@ -91,7 +107,11 @@ DEFAULT_SCHEDULES = (
     "ScheduleZBVZeroBubble",
     "ScheduleInterleavedZeroBubble",
 )
-DEFAULT_OFFLOAD = ("none", "selective:0.25", "selective:0.5", "full", "budget", "budget:close-w")
+_WHOLE_CHUNKS = ("none", "selective:0.25", "selective:0.5", "full")
+DEFAULT_OFFLOAD = (*_WHOLE_CHUNKS, "budget", "budget:sublayer", "budget:close-w")
+"""Offload policies `choose` judges by default. ``budget:sublayer`` (budget offload by half layers) is
+judged where the measurement knows each layer's sub-layer units (`Measurement.units_known`); elsewhere
+its rows say why it was not judged."""
 DEFAULT_RECOMPUTE = (
     "mlp",
     "selective:0.5",
@@ -167,6 +187,9 @@ class AutoDecision:
     (`pp_offload.order.offload_inputs.OffloadInputs.to_dict`: costs with ``stage_costs``, measured layers,
     per-layer copy times and bytes per stage). ``enable_offload(..., inputs=...)`` (the recipe passes them)
     then places exactly the predicted plan; without them it plans from the scalar costs."""
+    notes: list[str] = field(default_factory=list)
+    """Candidates asked for but not judged, and why (``budget:sublayer`` on a measurement without
+    sub-layer units)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (the recipe broadcasts it from rank 0); `from_dict` inverts it."""
@@ -192,6 +215,7 @@ class AutoDecision:
             + (f" recompute={self.recompute}" if self.recompute != "none" else ""),
             f"reason: {self.reason}",
             f"budget per rank: {budget}",
+            *(f"note: {n}" for n in self.notes),
             f"{'#':>3} {'schedule':26} {'offload':15} {'recompute':9} {'step ms':>9} {'bubble':>7} "
             f"{'peak MiB':>9} fits",
         ]
@@ -245,21 +269,25 @@ def choose(
                 f"recompute entries must be RecomputeOption (see recompute_options), got {option!r}"
             )
         measured[option.label] = option.apply(measurement)
+    unknown = measurement.units_known  # sub-layer units: judged only where the probe measured them
+    blind = [p for p in policies if unknown is not None and resolve_offload(p).granularity == "sublayer"]
+    judged = [p for p in policies if p not in blind]
+    if not judged:
+        raise ValueError(f"offload {', '.join(blind)} cannot be judged on this measurement: {unknown}")
+    notes = [f"not judged: offload {', '.join(blind)} ({unknown})"] if blind else []
     candidates: list[AutoCandidate] = []
     for mode, meas in measured.items():
         for name in names:
             setup = _setup(meas, name, m)
             if setup.problem is not None:
-                found = [
-                    AutoCandidate(name, p, None, None, [], False, problem=setup.problem) for p in policies
-                ]
+                found = [AutoCandidate(name, p, None, None, [], False, problem=setup.problem) for p in judged]
             elif name == "ScheduleVAdaptive":
-                found = _adaptive(setup, meas, m, policies, budget)
+                found = _adaptive(setup, meas, m, judged, budget)
             else:
                 orders = build_orders(
                     setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
                 )
-                found = [_judge(setup, orders, meas, m, policy, budget) for policy in policies]
+                found = [_judge(setup, orders, meas, m, policy, budget) for policy in judged]
             candidates += [replace(c, recompute=mode) for c in found]
     ranked = _rank(candidates)
     best = ranked[0]
@@ -281,6 +309,7 @@ def choose(
         candidates=ranked,
         budget_bytes=budget,
         recompute=best.recompute,
+        notes=notes,
     )
 
 
@@ -353,6 +382,7 @@ class RecomputeOption:
             saved = max(0, round(st.saved_bytes - per_layer_bytes * freed))
             ratio = saved / st.saved_bytes if st.saved_bytes else 1.0
             extra = per_layer_forward * (count * self.forward_share + others * self.rest_forward_share)
+            layer_bytes, units = self._units(st, plan.modes(st.layers), per_layer_bytes)
             stages.append(
                 replace(
                     st,
@@ -361,9 +391,34 @@ class RecomputeOption:
                     saved_bytes=saved,
                     offload=st.offload * ratio,
                     reload=st.reload * ratio,
+                    layer_bytes=layer_bytes,
+                    units=units,
                 )
             )
         return replace(measurement, stages=tuple(stages))
+
+    def _units(
+        self, st: StageMeasurement, modes: list[str], per_layer_bytes: float
+    ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+        """The stage's measured per-layer and per-unit bytes under the plan's per-layer ``modes``, as the
+        runtime then captures them (`pp_offload.plan.memory.layer_unit_bytes` says the same): a layer
+        checkpointed whole (full, selective) is one unit of what it keeps; ``mlp`` frees its bytes from
+        the second unit (the MLP's); ``none`` keeps both."""
+        if not st.units:
+            return st.layer_bytes, st.units
+        kept = {self.mode: self.kept_share, self.rest: self.rest_kept_share, "none": 1.0}
+        layer_bytes, units = [], []
+        for whole, parts, mode in zip(st.layer_bytes, st.units, modes, strict=True):
+            freed = per_layer_bytes * (1.0 - kept[mode])
+            left = max(0, round(whole - freed))
+            layer_bytes.append(left)
+            if mode in ("full", "selective"):
+                units.append((left,))
+            elif mode == "mlp":
+                units.append((*parts[:-1], max(0, round(parts[-1] - freed))))
+            else:
+                units.append(parts)
+        return tuple(layer_bytes), tuple(units)
 
 
 def recompute_options(
@@ -445,6 +500,12 @@ def _check_schedules(schedules: Sequence[str] | None) -> list[str]:
     if not names:
         raise ValueError("schedules is empty; give at least one schedule name, or None for the defaults")
     return names
+
+
+def offload_candidates(offload: Sequence[str] | None) -> list[str]:
+    """The offload policies ``choose`` judges for ``offload`` (None: `DEFAULT_OFFLOAD`), normalized and
+    without repeats; ValueError naming a bad one (the recipe checks ``pipeline.offload`` with it)."""
+    return _check_policies(offload)
 
 
 def _check_policies(offload: Sequence[str] | None) -> list[str]:
@@ -542,6 +603,8 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
     with_layers = [st for st in measurement.stages if st.layers > 0]
     layer_bytes = min((st.saved_bytes // st.layers for st in with_layers), default=0)
     layer_copy = max((max(st.offload, st.reload) / st.layers for st in with_layers), default=0.0) * _MS
+    # measured per layer and per sub-layer unit (what the runtime's captures move), where the probe did
+    units_known = measurement.units_known is None
     return Setup(
         schedule,
         lay,
@@ -555,6 +618,9 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
         problem=microbatch_problem(schedule, d, m),
         layer_bytes=layer_bytes,
         layer_copy=layer_copy,
+        layers_bytes=[list(st.layer_bytes) for st in measurement.stages] if units_known else [],
+        units_bytes=[list(st.units) for st in measurement.stages] if units_known else [],
+        unit_shares=measurement.unit_shares if units_known else (0.5, 0.5),
     )
 
 
@@ -570,9 +636,9 @@ def _judge(
     if not measurement.copies_overlap:
         # synchronous copies run on the compute thread: the busiest rank's copies lengthen the step
         last = results[-1]
-        if last.moved_layers_per_rank:  # budget: layer copies
-            per_rank = max(last.moved_layers_per_rank) * m / last.size
-            step_ms += 2.0 * setup.layer_copy * per_rank
+        if last.moved_layers_per_rank:  # budget: layer (or sub-layer unit) copies, each of its own bytes
+            per_byte = setup.layer_copy / setup.layer_bytes if setup.layer_bytes else 0.0
+            step_ms += 2.0 * per_byte * max(last.moved_bytes_per_rank) * m / last.size
         else:
             per_rank = max(last.offloaded_per_rank, default=0) * m / last.size
             step_ms += 2.0 * setup.costs.transfer * setup.layout.chunks_per_stage * per_rank

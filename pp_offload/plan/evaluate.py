@@ -414,6 +414,7 @@ class PolicyResult:
     chunks: int  # chunks in the order
     offloaded_per_rank: list[int] = field(default_factory=list)
     moved_layers_per_rank: list[int] = field(default_factory=list)  # budget: layer copies out per rank
+    moved_bytes_per_rank: list[int] = field(default_factory=list)  # budget: bytes those copies carry
     moved_bytes: int = 0  # bytes copied out (and back) over the step
     saved_bytes: int = 0  # bytes all chunks of the step save
     pulled_w: int = 0  # close_w: W passes the offload-aware order moved right after their I
@@ -520,6 +521,16 @@ def evaluate_orders(
                 offloaded_per_rank=per_rank,
                 moved_layers_per_rank=[
                     sum(layered[k].moved for k in planned.offloaded.get(r, ()) if k in layered)
+                    for r in sorted(sim.timeline)
+                ]
+                if layered
+                else [],
+                moved_bytes_per_rank=[
+                    sum(
+                        setup.moved_layer_bytes(k[0], layered[k].moved, resolved.granularity)
+                        for k in planned.offloaded.get(r, ())
+                        if k in layered
+                    )
                     for r in sorted(sim.timeline)
                 ]
                 if layered

@@ -26,7 +26,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["PROBE_OFFLOAD", "PROBE_SCHEDULE", "Measurement", "StageMeasurement", "measure_step"]
+__all__ = [
+    "PROBE_OFFLOAD",
+    "PROBE_SCHEDULE",
+    "Measurement",
+    "StageMeasurement",
+    "measure_step",
+    "predicted_measurement",
+    "unit_shares_for",
+]
 
 PROBE_SCHEDULE = "ScheduleVMin"
 """Safe: the lowest activation memory of the V family, for any number of microbatches >= 1."""
@@ -55,10 +63,32 @@ class StageMeasurement:
     copies_estimated: bool = False
     layers: int = 0
     """Decoder layers of the stage (what budget offload moves one by one); 0 when unknown."""
+    layer_bytes: tuple[int, ...] = ()
+    """Per decoder layer, first first, the bytes budget offload moves when it moves the whole layer (what
+    the runtime's capture of that layer records); empty when unknown (a measurement made before units
+    were measured)."""
+    units: tuple[tuple[int, ...], ...] = ()
+    """Per decoder layer, the bytes of each of its sub-layer offload units (``budget:sublayer``): two, the
+    attention half and the rest, for a layer the runtime splits (`pp_offload.runtime.offload.stage_units`),
+    one for a layer it does not; empty when unknown."""
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
             raise ValueError(f"StageMeasurement.layers must be an int >= 0, got {self.layers!r}")
+        layer_bytes = tuple(self.layer_bytes)
+        units = tuple(tuple(u) for u in self.units)
+        object.__setattr__(self, "layer_bytes", layer_bytes)
+        object.__setattr__(self, "units", units)
+        for name, count in (("layer_bytes", len(layer_bytes)), ("units", len(units))):
+            if count not in (0, self.layers):
+                raise ValueError(
+                    f"StageMeasurement.{name} needs one entry per layer ({self.layers}) or none, got {count}"
+                )
+        flat = [*layer_bytes, *(b for u in units for b in u)]
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in flat):
+            raise ValueError(f"StageMeasurement layer and unit bytes must be ints >= 0, got {flat!r}")
+        if any(len(u) not in (1, 2) for u in units):
+            raise ValueError(f"StageMeasurement.units: one or two units per layer, got {units!r}")
         for name in ("F", "I", "W", "offload", "reload"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -93,6 +123,22 @@ class Measurement:
     device: str = "unknown"
     first_stage: str = "measured"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    unit_shares: tuple[float, float] | None = None
+    """A split layer's attention half's and rest's shares of its passes (what each sub-layer unit's
+    compute hides of its copy): the planner's FLOP shares for the model's config
+    (`pp_offload.plan.costs.layer_unit_shares`, via `unit_shares_for`), not timed (see `measure_step`);
+    None: unknown, and ``schedule: auto`` then offers no sub-layer candidates."""
+
+    @property
+    def units_known(self) -> str | None:
+        """None when sub-layer offload can be judged on this measurement, else why not."""
+        if not any(st.units for st in self.stages):
+            return "the measurement has no sub-layer unit bytes (a probe made before they were measured?)"
+        if any(st.layers and not st.units for st in self.stages):
+            return "sub-layer unit bytes measured on some stages only"
+        if self.unit_shares is None:
+            return "the measurement has no unit compute shares (measure_step's unit_shares)"
+        return None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 2:
@@ -109,6 +155,11 @@ class Measurement:
         if not self.comm >= 0:
             raise ValueError(f"Measurement.comm must be >= 0 seconds, got {self.comm!r}")
         object.__setattr__(self, "notes", tuple(self.notes))
+        if self.unit_shares is not None:
+            shares = tuple(float(x) for x in self.unit_shares)
+            if len(shares) != 2 or min(shares) < 0 or abs(sum(shares) - 1.0) > 1e-6:
+                raise ValueError(f"Measurement.unit_shares must be two shares summing to 1, got {shares!r}")
+            object.__setattr__(self, "unit_shares", shares)
 
     @classmethod
     def uniform(
@@ -155,6 +206,8 @@ class Measurement:
         data = dict(data)
         data["stages"] = tuple(StageMeasurement(**s) for s in data["stages"])
         data["notes"] = tuple(data.get("notes", ()))
+        if data.get("unit_shares") is not None:
+            data["unit_shares"] = tuple(data["unit_shares"])
         return cls(**data)
 
     def table(self) -> str:
@@ -180,6 +233,15 @@ class Measurement:
             )
         if any(st.copies_estimated for st in self.stages):
             lines.append("* copy time estimated from the stage's bytes at the measured bandwidth")
+        split = [(s, st.units[0]) for s, st in enumerate(self.stages) if st.units and len(st.units[0]) == 2]
+        if split and self.unit_shares is not None:
+            s, (attention, rest) = split[0]
+            lines.append(
+                f"sub-layer units (stage {s}, first layer): attention half {attention / _MiB:.3f} MiB, rest "
+                f"{rest / _MiB:.3f} MiB; compute shares {self.unit_shares[0]:.2f} / {self.unit_shares[1]:.2f}"
+            )
+        elif self.units_known is not None:
+            lines.append(f"sub-layer units unknown: {self.units_known}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -192,6 +254,7 @@ def measure_step(
     group: Any = None,
     sync_cuda: bool | None = None,
     comm: float | None = None,
+    unit_shares: tuple[float, float] | None = None,
 ) -> Measurement:
     """Run ``step`` (one ``schedule.step(...)``) ``steps`` times while timing every action; return the same
     `Measurement` on every rank of ``group`` (this pipeline's process group; None = WORLD).
@@ -202,6 +265,16 @@ def measure_step(
     the plan offloads time the copies. ``sync_cuda`` (default: on CUDA) synchronizes at action boundaries
     so host times are true durations. ``comm``: one stage output's p2p time in seconds; default measured
     by a ping-pong between the group's ranks 0 and 1. A collective: every rank of ``group`` must call it.
+
+    Offload units: while each chunk is captured whole, the store marks where each decoder layer, and each
+    layer's attention submodule, begins and returns (the hooks `pp_offload.runtime.offload.stage_units`
+    places for budget offload), and records per layer the bytes a capture of that layer alone, and of
+    each of its sub-layer units alone, would move (`ActivationStore.recorded_bytes`): what budget offload
+    moves per layer and per unit, by the same rules. ``unit_shares``: a split layer's attention half's and
+    rest's shares of its passes, stored in the measurement; the planner's FLOP shares for the model
+    (`unit_shares_for`). Why not timed: on CPU (where the recipe rehearses a GPU run) a small layer's time
+    split reflects CPU kernels and Python overhead, not the GPU's; on CUDA, timing inside a forward needs a
+    synchronize at every unit boundary, which slows the very step being measured.
     """
     import torch
     import torch.distributed as dist
@@ -237,6 +310,8 @@ def measure_step(
     extra = chunks - runtime.offloaded
     outputs: list[tuple[int, str]] = []
     undo = [_note_outputs(st, outputs) for st in stages]
+    units: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}
+    undo += [_mark_units(st, store, units) for st in stages]
     runtime.offloaded |= extra  # capture every chunk (not offloaded: no OFFLOAD action for these)
     timer = ActionTimer(schedule, sync_cuda=sync_cuda)
     try:
@@ -255,6 +330,7 @@ def measure_step(
         "bytes": [(int(s), int(j), int(b)) for (s, j), b in store.last_captured.items()],
         "comm": None,
         "layers": {int(st.stage_index): _layer_count(st) for st in stages},
+        "units": {s: [found[i] for i in sorted(found)] for s, found in units.items()},
     }
     rank = dist.get_rank(group) if distributed else 0
     if comm is None and distributed:
@@ -274,7 +350,111 @@ def measure_step(
         steps=steps,
         copies_overlap=store.device.type == "cuda",
         device=str(store.device),
+        unit_shares=unit_shares,
     )
+
+
+def predicted_measurement(
+    model: Any,
+    *,
+    pp: int,
+    seq_len: int,
+    num_microbatches: int,
+    machine: Any = "H100",
+    microbatch_size: int = 1,
+    units: bool = True,
+) -> Measurement:
+    """The `Measurement` a probe would return for ``model`` on ``machine`` as the planner predicts it:
+    pass times from FLOPs, saved bytes per stage (V placement, 2 stages per rank), one copy per layer at
+    the host link's rate, and (``units``) each layer's and sub-layer unit's bytes with the units' FLOP
+    shares. Why: `choose` judged on a GPU-sized model without a GPU (tests, benchmarks, what-ifs)."""
+    from pp_offload.plan.handoff import planner_setup
+
+    setup = planner_setup(
+        model,
+        schedule="ScheduleVHalf",
+        pp=pp,
+        seq_len=seq_len,
+        microbatch_size=microbatch_size,
+        num_microbatches=num_microbatches,
+        machine=machine,
+    )
+    stages = tuple(
+        StageMeasurement(
+            F=st.times.F,
+            I=st.times.I,
+            W=st.times.W,
+            saved_bytes=int(st.activation.saved),
+            offload=setup.layer_copy * st.layers,
+            reload=setup.layer_copy * st.layers,
+            layers=st.layers,
+            layer_bytes=tuple(setup.layers_bytes[s]) if units else (),
+            units=tuple(setup.units_bytes[s]) if units else (),
+        )
+        for s, st in enumerate(setup.stages)
+    )
+    shares = unit_shares_for(model, seq_len=seq_len) if units else None
+    name = machine if isinstance(machine, str) else getattr(machine, "name", "machine")
+    return Measurement(pp, stages, device=f"planner: {name}", unit_shares=shares)
+
+
+def unit_shares_for(model: Any, *, seq_len: int) -> tuple[float, float] | None:
+    """``measure_step``'s ``unit_shares`` for ``model`` (anything `pp_offload.plan.model.model_spec`
+    reads: an HF config, a spec): the planner's FLOP shares of a layer's attention half and rest
+    (`pp_offload.plan.costs.layer_unit_shares`); None when the planner does not model it."""
+    from pp_offload.plan.costs import layer_unit_shares
+    from pp_offload.plan.model import model_spec
+
+    try:
+        return layer_unit_shares(model_spec(model), seq_len=seq_len)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _mark_units(
+    stage: Any, store: Any, found: dict[int, dict[int, tuple[int, tuple[int, ...]]]]
+) -> Callable[[], None]:
+    """Hook the stage's layers (and their attention submodules) as budget offload's sub-layer units
+    (`stage_units`) to note, per layer, (its bytes as one unit, its units' bytes) from the running chunk
+    capture's marks; the first chunk's figures are kept (every microbatch saves the same). Returns the
+    undo."""
+    from pp_offload.runtime.offload import stage_units
+
+    try:
+        layers = stage_units(stage, "sublayer")
+    except ValueError:
+        return lambda: None
+    index = int(stage.stage_index)
+    marks: dict[int, list[int]] = {}
+    handles = []
+
+    def mark(layer: int, where: str) -> None:
+        key = store.capturing()
+        if key is None or key[0] != index or layer in found.get(index, {}):
+            return
+        if where == "start":
+            marks[layer] = [store.recorded(key)]
+            return
+        if layer not in marks:
+            return
+        marks[layer].append(store.recorded(key))
+        if where == "end":
+            points = marks.pop(layer)
+            whole = store.recorded_bytes(key, points[0], points[-1])
+            parts = tuple(store.recorded_bytes(key, a, b) for a, b in zip(points, points[1:], strict=False))
+            found.setdefault(index, {})[layer] = (whole, parts)
+
+    for i, (layer, split) in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda mod, args, i=i: mark(i, "start")))
+        if split is not None:
+            handles.append(split.register_forward_hook(lambda mod, args, out, i=i: mark(i, "split")))
+        handles.append(layer.register_forward_hook(lambda mod, args, out, i=i: mark(i, "end")))
+
+    def undo() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return undo
 
 
 def _layer_count(stage: Any) -> int:
@@ -354,6 +534,7 @@ def _summarize(
     steps: int,
     copies_overlap: bool,
     device: str,
+    unit_shares: tuple[float, float] | None = None,
 ) -> Measurement:
     """Every rank's raw events and bytes -> per-stage medians (deterministic: same input on every rank)."""
     from pp_offload.runtime.timing import parse_action
@@ -376,6 +557,11 @@ def _summarize(
         for s, count in part.get("layers", {}).items():
             if int(s) < n:
                 layers[int(s)] = int(count)
+    per_layer: list[list[Any]] = [[] for _ in range(n)]
+    for part in parts:
+        for s, found in part.get("units", {}).items():
+            if int(s) < n and len(found) == layers[int(s)]:
+                per_layer[int(s)] = found
 
     def med(s: int, kind: str) -> float | None:
         values = samples.get((s, kind))
@@ -427,6 +613,8 @@ def _summarize(
                 reload=rel,
                 copies_estimated=estimated,
                 layers=layers[s],
+                layer_bytes=tuple(int(whole) for whole, _ in per_layer[s]),
+                units=tuple(tuple(int(b) for b in parts) for _, parts in per_layer[s]),
             )
         )
     notes = []
@@ -442,4 +630,5 @@ def _summarize(
         device=device,
         first_stage=first_stage,
         notes=tuple(notes),
+        unit_shares=unit_shares,
     )

@@ -17,6 +17,10 @@ hardware meet. The probe runs before any weight changes:
    (``AutoDecision.offload_inputs``: per-stage costs, layers, copy times and bytes), so it places the
    predicted plan.
 
+Offload candidates: `choose`'s defaults, or the list given as ``pipeline.offload`` (e.g. ``[none, budget,
+budget:sublayer]``). The probe measures what budget offload would move per decoder layer and per sub-layer
+unit; the units' compute shares come from the planner's FLOPs for the model's config (`unit_shares_for`).
+
 Activation recompute: unless ``train.activation_checkpointing`` is already set (the probe then measures
 with it), ``choose`` also judges selective and full recompute of the decoder layers, from the probe's
 measurement rescaled by the planner's model of this model's layers (`recompute_options`: the share of a
@@ -133,7 +137,8 @@ def choose_schedule(
     first batch). ``reuse``: a resumed run takes the decision recorded in ``out/auto.json`` by the run it
     continues (a new probe could choose otherwise, and the resumed run would differ from an uninterrupted
     one). A collective over every rank."""
-    from pp_offload.plan.auto import AutoDecision, AutoError, choose, measure_step
+    from pp_offload.models.lora import unwrap_peft
+    from pp_offload.plan.auto import AutoDecision, AutoError, choose, measure_step, unit_shares_for
 
     recorded = out / "auto.json"
     if reuse:
@@ -153,7 +158,11 @@ def choose_schedule(
     rng = rng_state()
     probe = build_pipeline(_probe_config(config), model, topo, device, mesh, shard=False)
     measurement = measure_step(
-        probe.schedule, lambda: probe_step(probe), steps=int(spec.auto_probe_steps), group=probe.pp_group
+        probe.schedule,
+        lambda: probe_step(probe),
+        steps=int(spec.auto_probe_steps),
+        group=probe.pp_group,
+        unit_shares=unit_shares_for(unwrap_peft(model).config, seq_len=config.data.seq_len),
     )
     for param in model.parameters():
         param.grad = None
@@ -169,6 +178,7 @@ def choose_schedule(
                 num_microbatches=spec.microbatches,
                 memory_limit=spec.memory_limit,
                 activation_budget_bytes=budget,
+                offload=spec.offload if isinstance(spec.offload, list) else None,
                 recompute=recompute_candidates(config, model, device),
             )
             message = [{"decision": decision.to_dict()}]

@@ -84,7 +84,8 @@ class PipelineConfig:
             embedding and the LM head counted as work.
         offload: Activation offload to host memory: ``none``, ``full``, ``selective`` (half the chunks),
             ``selective:0.25`` (a fraction of the chunks) or ``auto`` (from the ratio of copy time to
-            compute time).
+            compute time). With ``schedule: auto``: unset (auto chooses among its default policies) or a
+            list of the policies auto may choose from, e.g. ``[none, budget, budget:sublayer]``.
         memory_limit: ``ScheduleVAdaptive`` or ``auto``: per-rank activation memory as a fraction of
             1F1B's, in (0, 1].
         activation_budget_gib: ``auto`` only: per-rank device-resident activation budget in GiB.

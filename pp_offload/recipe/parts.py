@@ -385,7 +385,8 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
     auto = str(spec.schedule).lower() == "auto"
     if auto:
         _check_auto(spec)
-        config = dataclasses.replace(config, pipeline=dataclasses.replace(spec, schedule="ScheduleVMin"))
+        probe = dataclasses.replace(spec, schedule="ScheduleVMin", offload="full")
+        config = dataclasses.replace(config, pipeline=probe)
         spec = config.pipeline
     try:
         info = schedule_info(spec.schedule)
@@ -453,15 +454,24 @@ def _fewer_stages_fix(info: ScheduleInfo, num_layers: int) -> str:
 
 
 def _check_auto(spec: Any) -> None:
-    """``schedule: auto`` chooses schedule, offload and costs itself; it takes only the memory limits."""
+    """``schedule: auto`` chooses schedule, offload and costs itself; it takes only the memory limits and,
+    as ``offload``, a list of the offload policies it may choose from."""
     given = [k for k in ("costs", "layers_per_stage", "stages_per_rank") if getattr(spec, k) is not None]
-    if spec.offload not in (None, "none"):
+    if spec.offload not in (None, "none") and not isinstance(spec.offload, list):
         given.insert(0, "offload")
     if given:
         raise ConfigError(
             f"pipeline.{given[0]} cannot be set with pipeline.schedule=auto (auto chooses the schedule, the "
             "offload policy and the costs from a probe step); remove it, or name a schedule instead of auto"
+            + (" (a list of offload policies auto may choose from is fine)" if given[0] == "offload" else "")
         )
+    if isinstance(spec.offload, list):
+        from pp_offload.plan.auto import offload_candidates
+
+        try:
+            offload_candidates(spec.offload)
+        except ValueError as error:
+            raise ConfigError(f"pipeline.offload (auto's candidates): {error}") from error
     limit = spec.memory_limit
     if limit is not None and not (isinstance(limit, (int, float)) and 0 < limit <= 1):
         raise ConfigError(

@@ -456,6 +456,47 @@ class ActivationStore:
 
     # --- measurements ---------------------------------------------------------------------------------
 
+    def capturing(self) -> Hashable | None:
+        """The key of this store's innermost capture running on this thread, None when none runs."""
+        return next((c.key for store, c in reversed(_active_captures()) if store is self), None)
+
+    def recorded(self, key: Hashable) -> int:
+        """How many saved tensors chunk ``key``'s running capture has recorded so far: a mark for
+        `recorded_bytes`."""
+        return len(self._capturing(key, "recorded").records)
+
+    def recorded_bytes(self, key: Hashable, start: int, stop: int) -> int:
+        """Bytes a capture of only the tensors chunk ``key`` recorded from mark ``start`` to ``stop``
+        (`recorded`) would move: its own copy plan (storages grouped, views counted once, whole spans or
+        compact views), as if those tensors had been captured under a key of their own.
+
+        Why: budget offload captures each decoder layer, or each sub-layer unit, under its own key; a
+        probe that captures whole chunks (`pp_offload.plan.probe.measure_step`) marks the units'
+        boundaries and reads here what each unit would move, by the rules that move it."""
+        chunk = self._capturing(key, "recorded_bytes")
+        if not 0 <= start <= stop <= len(chunk.records):
+            raise ValueError(f"marks {start}..{stop} out of the {len(chunk.records)} records of {key!r}")
+        groups: dict[int, list[Any]] = {}  # group -> [lo, hi, covered, distinct views]
+        for g, size, stride, offset in chunk.records[start:stop]:
+            end = _extent(size, stride, offset)
+            span = groups.setdefault(g, [offset, end, 0, set()])
+            span[0], span[1] = min(span[0], offset), max(span[1], end)
+            span[2] += math.prod(size)
+            span[3].add((tuple(size), tuple(stride), offset))
+        total = 0
+        for g, (lo, hi, covered, views) in groups.items():
+            dtype = chunk.groups[g][0]
+            whole = _whole_span(dtype, lo, hi, covered)
+            numel = whole[1] if whole is not None else sum(math.prod(v[0]) for v in views)
+            total += numel * dtype.itemsize
+        return total
+
+    def _capturing(self, key: Hashable, what: str) -> _Chunk:
+        chunk = self._get(key, what)
+        if chunk.state is not _CAPTURING:
+            raise ValueError(f"{what} reads a running capture; chunk {key!r} is {chunk.state}")
+        return chunk
+
     def state(self, key: Hashable) -> str | None:
         """Chunk ``key``'s state (capturing, captured, offloaded, reloaded), None when not in the store."""
         chunk = self._chunks.get(key)
@@ -537,7 +578,7 @@ class ActivationStore:
         if numel == 0 or nbytes <= self.min_numel * t.element_size():
             return self._keep(chunk, t, "small")
         size, stride, offset = t.shape, t.stride(), t.storage_offset()
-        end = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        end = _extent(size, stride, offset)
         index = len(chunk.records)
         gkey = (ptr, nbytes, t.dtype)
         g = chunk.group_of.get(gkey)
@@ -632,9 +673,9 @@ class ActivationStore:
         totals: dict[torch.dtype, int] = {}
         for dtype, first, lo, hi, covered, indices in chunk.groups:
             align = max(1, _ALIGN_BYTES // dtype.itemsize)
-            span_lo = lo - lo % align
-            span = hi - span_lo
-            if span <= 2 * covered:
+            whole = _whole_span(dtype, lo, hi, covered)
+            if whole is not None:
+                span_lo, span = whole
                 offset = _round_up(totals.get(dtype, 0), align)
                 totals[dtype] = offset + span
                 src = chunk.originals[first].as_strided((span,), (1,), span_lo)
@@ -663,6 +704,20 @@ class ActivationStore:
         chunk.groups = []
         chunk.group_of = {}
         chunk.keep_refs = []
+
+
+def _extent(size: Any, stride: Any, offset: int) -> int:
+    """One past the last storage element a strided view reaches."""
+    return offset + 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+
+
+def _whole_span(dtype: torch.dtype, lo: int, hi: int, covered: int) -> tuple[int, int] | None:
+    """(aligned start, length) of the one copy of a storage's span its views ``lo..hi`` cover, or None
+    when they cover less than half of it (each view is then copied compactly)."""
+    align = max(1, _ALIGN_BYTES // dtype.itemsize)
+    span_lo = lo - lo % align
+    span = hi - span_lo
+    return (span_lo, span) if span <= 2 * covered else None
 
 
 def _check_version(chunk: _Chunk, index: int) -> None:
