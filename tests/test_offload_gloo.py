@@ -3,7 +3,8 @@
 For d = 2 and 3, our V schedules, torch's ZBVZeroBubble and DualPipeV (V placement) and its
 Interleaved1F1B and InterleavedZeroBubble (loop placement) run without offload, with full offload and
 with selective offload of half the chunks; losses and every parameter's gradient must equal a
-single-process reference. The activations are large enough (> the store's 1024-element floor) that
+single-process reference. At d = 3, V-ZB's full offload also drops chunks between their I and W and
+reloads them for W (checked). The activations are large enough (> the store's 1024-element floor) that
 offload really moves bytes, which the test checks. A RELOAD removed from an order must fail with an
 error naming the chunk.
 """
@@ -87,13 +88,30 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 *((x,) if holds_first else ()),
                 **({"target": y, "losses": losses} if holds_last else {}),
             )
-            moved = 0
+            moved = drops = 0
             if offload is not None:
                 moved = schedule.offload.store.stats().host_pool_bytes  # grows only when chunks go to host
+                drops = _drops(schedule.offload.plan.order[rank])
                 assert schedule.offload.store.resident_bytes() == 0, "chunks left in the store after a step"
             grads = {f"{s}.{n}": p.grad.clone() for s in ids for n, p in model[s].named_parameters()}
-            out[(name, offload)] = {"losses": [t.detach() for t in losses], "grads": grads, "moved": moved}
+            out[(name, offload)] = {
+                "losses": [t.detach() for t in losses],
+                "grads": grads,
+                "moved": moved,
+                "drops": drops,
+            }
     return out
+
+
+def _drops(actions: list) -> int:
+    """OFFLOADs of a chunk already offloaded once: dropped after its I, reloaded again for its W."""
+    seen, drops = set(), 0
+    for a in actions:
+        if str(getattr(a.computation_type, "value", a.computation_type)) == "OFFLOAD":
+            key = (a.stage_index, a.microbatch_index)
+            drops += key in seen
+            seen.add(key)
+    return drops
 
 
 def _reference(d: int, m: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -122,6 +140,8 @@ def test_offload_keeps_losses_and_grads(d: int) -> None:
                 assert sum(r[(name, offload)]["moved"] for r in results) > 0, (
                     f"{name} {offload}: no bytes moved"
                 )
+    if d == 3:  # V-ZB keeps chunks from I to W: full offload drops them in between and reloads them for W
+        assert sum(r[("ScheduleVZB", "full")]["drops"] for r in results) > 0
 
 
 def _missing_reload_worker(rank: int, world_size: int, m: int) -> None:

@@ -88,10 +88,13 @@ class OffloadPolicy:
         budget without ``fraction``: the largest predicted step-time increase (relative, 0.03 = 3%) the
         cap on moved layers per chunk may cost.
     drop_after_i:
-        budget, orders with split backward: a chunk whose W runs well after its I leaves the device
-        again in between (W still needs its saved tensors; their host copy is exact, so this OFFLOAD
-        copies nothing) and is reloaded before W, where the gap is longer than the reload. Zero-bubble
-        orders keep every chunk from I to W; this is what lets offload reach that span.
+        orders with split backward: a chunk whose W runs well after its I leaves the device again in
+        between (W still needs its saved tensors; their host copy is exact, so this OFFLOAD copies
+        nothing) and is reloaded before W, where the gap is longer than the reload. Zero-bubble orders,
+        and the V orders' cool-down (input gradients first, weight passes at the end), keep every chunk
+        from I to W; this is what lets offload reach that span. Whole-chunk modes keep it only where it
+        lowers the peak without slowing the replayed step (its second reloads share the host-to-device
+        lane with the first ones); budget mode weighs it in its own search.
     granularity:
         budget: the offload unit. ``"layer"``: whole decoder layers. ``"sublayer"``: each layer splits at
         the return of its attention submodule into two units, the attention half (everything the layer
@@ -518,6 +521,18 @@ def plan_offload(
                 plan = replace(other, policy=policy)
         return plan
 
+    plan = _plan_whole(compute, costs, policy, drop_after_i=False)
+    if policy.drop_after_i:
+        dropped = _plan_whole(compute, costs, policy, drop_after_i=True)
+        if dropped.sim.makespan <= plan.sim.makespan + _EPS and dropped.sim.peak < plan.sim.peak - _EPS:
+            plan = dropped
+    return plan
+
+
+def _plan_whole(compute, costs: Costs, policy: OffloadPolicy, *, drop_after_i: bool) -> OffloadPlan:
+    """Whole-chunk modes (full, selective, auto): which chunks move, and where their RELOADs go (and, with
+    ``drop_after_i``, where the chunks whose W runs well after their I are reloaded again for it)."""
+    offloaded: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
     base = simulate(compute, costs)
     num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
     scale = 2.0 * len(compute) / num_stages  # chunks per stage, as in the simulator
@@ -542,6 +557,12 @@ def plan_offload(
             chosen = _lower_peak_first(list(chunks.values()), eligible, n, copy, scale)
         offloaded[rank] = [c.key for c in chosen]
         reloads[rank] = {c.key: c for c in chosen}
+        if drop_after_i:
+            w_of = {(st, mb): i for i, ((st, kind, mb), _, _) in enumerate(timeline) if kind == W}
+            for c in chosen:
+                if timeline[c.back_index][0][1] == I and c.key in w_of:
+                    c.i_index, c.w_index = c.back_index, w_of[c.key]
+                    c.w_slot = _whole_w_slot(c, timeline, copy, policy.reload_margin)
 
     planned = _insert(compute, reloads)
     result = simulate(planned, costs, copy_lanes=policy.lanes)
@@ -1108,15 +1129,40 @@ def _move_late_reloads(
         if not chunks:
             continue
         timeline = result.timeline[rank]
+        seen: set[tuple[int, int]] = set()
         for action, _, finish in result.transfers[rank]:
             if action.computation_type != RELOAD:
                 continue
-            chunk = chunks[(action.stage_index, action.microbatch_index)]
+            key = (action.stage_index, action.microbatch_index)
+            chunk = chunks[key]
+            if key in seen:  # the second RELOAD, before W (drop_after_i): earlier, or drop the pair
+                _, w_start, w_end = timeline[chunk.w_index]
+                if finish > w_start - margin * (w_end - w_start) + _EPS:
+                    chunk.w_slot = chunk.w_slot - 1 if chunk.w_slot > chunk.i_index + 1 else -1
+                    moved = True
+                continue
+            seen.add(key)
             _, b_start, b_end = timeline[chunk.back_index]
             if finish > b_start - margin * (b_end - b_start) + _EPS and chunk.slot > chunk.f_index + 1:
                 chunk.slot -= 1
                 moved = True
     return moved
+
+
+def _whole_w_slot(c: _Chunk, timeline, copy: float, margin: float) -> int:
+    """Whole-chunk `_w_slot`: the latest slot before W whose reload (one chunk copy, issued when the pass
+    before the slot ends) ends ``margin`` W-durations before W starts, if the chunk then stays off the
+    device at least as long as that reload takes; else -1 (the chunk stays on the device from I to W)."""
+    if c.w_index <= c.i_index + 1:
+        return -1
+    i_end = timeline[c.i_index][2]
+    _, w_start, w_end = timeline[c.w_index]
+    deadline = w_start - margin * (w_end - w_start) + _EPS
+    for slot in range(c.w_index, c.i_index, -1):
+        issue = timeline[slot - 1][2]
+        if issue + copy <= deadline:
+            return slot if issue - i_end >= copy - _EPS else -1
+    return -1
 
 
 def _insert(compute: dict[int, list[Action]], reloads: dict[int, dict[tuple[int, int], _Chunk]]):
