@@ -320,3 +320,16 @@ def test_policy_is_frozen_and_documented():
     with pytest.raises(AttributeError):
         policy.mode = "none"  # type: ignore[misc]
     assert "longest-lived" in OffloadPolicy.__doc__
+
+
+def test_selective_share_counts_the_gap_a_drop_after_i_opens():
+    """V-ZB keeps every chunk from its I to its W: half the chunks offloaded only up to I cut nothing
+    (the peak sits in that span), while the peak-first choice that also counts each chunk's second gap
+    (dropped after I, reloaded for W) cuts it by a quarter, at the same makespan."""
+    source = v_zb_order(4, 16)
+    base = simulate(source, COSTS)
+    kept = plan_offload(source, COSTS, {"mode": "selective", "fraction": 0.5, "drop_after_i": False})
+    dropped = plan_offload(source, COSTS, "selective:0.5")
+    assert kept.sim.peak == base.peak == 8.0
+    assert dropped.sim.peak <= 6.0 and dropped.sim.makespan == base.makespan
+    _check_plan(source, dropped)

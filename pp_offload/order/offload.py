@@ -548,21 +548,21 @@ def _plan_whole(compute, costs: Costs, policy: OffloadPolicy, *, drop_after_i: b
         ]
         for c in eligible:
             c.slot = _initial_slot(c, timeline, copy, policy)
+        if drop_after_i:  # where each chunk would be reloaded again for its W (-1: it stays from I to W)
+            w_of = {(st, mb): i for i, ((st, kind, mb), _, _) in enumerate(timeline) if kind == W}
+            for c in eligible:
+                if timeline[c.back_index][0][1] == I and c.key in w_of:
+                    c.i_index, c.w_index = c.back_index, w_of[c.key]
+                    c.w_slot = _whole_w_slot(c, timeline, copy, policy.reload_margin)
         n = _how_many(policy, len(chunks), len(eligible))
         if n >= len(eligible):
             chosen = sorted(eligible, key=lambda c: (-c.lifespan, c.f_start))
         elif policy.choose == "lifespan":
             chosen = _longest_first(eligible, n)
         else:
-            chosen = _lower_peak_first(list(chunks.values()), eligible, n, copy, scale)
+            chosen = _lower_peak_first(list(chunks.values()), eligible, n, copy, scale, timeline)
         offloaded[rank] = [c.key for c in chosen]
         reloads[rank] = {c.key: c for c in chosen}
-        if drop_after_i:
-            w_of = {(st, mb): i for i, ((st, kind, mb), _, _) in enumerate(timeline) if kind == W}
-            for c in chosen:
-                if timeline[c.back_index][0][1] == I and c.key in w_of:
-                    c.i_index, c.w_index = c.back_index, w_of[c.key]
-                    c.w_slot = _whole_w_slot(c, timeline, copy, policy.reload_margin)
 
     planned = _insert(compute, reloads)
     result = simulate(planned, costs, copy_lanes=policy.lanes)
@@ -1014,7 +1014,7 @@ def _longest_first(chunks: list[_Chunk], n: int) -> list[_Chunk]:
 
 
 def _lower_peak_first(
-    chunks: list[_Chunk], eligible: list[_Chunk], n: int, copy: float, scale: float
+    chunks: list[_Chunk], eligible: list[_Chunk], n: int, copy: float, scale: float, timeline=None
 ) -> list[_Chunk]:
     """``n`` of ``eligible`` that bring the rank's device-resident peak lowest, then longest-lived.
 
@@ -1028,9 +1028,16 @@ def _lower_peak_first(
     Why not plain longest-first: lifespans of a compacted or interleaved order differ by a pass or two
     between neighbouring microbatches, and longest-first then offloads every other microbatch of the
     steady phase and nothing of the warm-up or cool-down, where the peak may sit unchanged.
+
+    A chunk that is dropped after its I and reloaded for its W (``w_slot``, with the rank's ``timeline``)
+    has a second gap, from its I's end to that reload's issue; taking the chunk for one gap takes the
+    other too (the sweep counts it where it starts), so the cover sees what the drop frees in the cool-down.
     """
+    second = {id(c): _w_gap(c, timeline) for c in eligible if timeline is not None and c.w_slot >= 0}
     times = sorted(
-        {t for c in chunks for t in (c.f_start, c.free_end)} | {t for c in eligible for t in _gap(c, copy)}
+        {t for c in chunks for t in (c.f_start, c.free_end)}
+        | {t for c in eligible for t in _gap(c, copy)}
+        | {t for gap in second.values() for t in gap}
     )
     index = {t: i for i, t in enumerate(times)}
     delta = [0.0] * (len(times) + 1)
@@ -1042,33 +1049,44 @@ def _lower_peak_first(
         running += delta[i]
         level.append(running)  # on [times[i], times[i + 1])
     spans = []  # (lo, hi, chunk): the gap covers segments lo .. hi-1
+    linked: dict[int, list[tuple[int, int]]] = {}  # chunk -> all its gaps (lo, hi)
     for c in eligible:
-        start, end = _gap(c, copy)
-        if index[end] > index[start]:
-            spans.append((index[start], index[end], c))
+        for start, end in (_gap(c, copy), *((second[id(c)],) if id(c) in second else ())):
+            if index[end] > index[start]:
+                spans.append((index[start], index[end], c))
+                linked.setdefault(id(c), []).append((index[start], index[end]))
     spans.sort(key=lambda s: s[0])
 
     def cover(target: float) -> list[_Chunk] | None:
         """Fewest gaps keeping every segment at or below ``target``; None if more than ``n`` needed."""
         heap: list[tuple[int, float, float, int]] = []
         ends = [0] * (len(times) + 1)
+        begins = [0] * (len(times) + 1)  # a taken chunk's later gap, counted from where it starts
         chosen: list[_Chunk] = []
+        taken: set[int] = set()
         active = nxt = 0
         for i, value in enumerate(level):
-            active -= ends[i]
+            active += begins[i] - ends[i]
             while nxt < len(spans) and spans[nxt][0] <= i:
                 heapq.heappush(heap, (-spans[nxt][1], -spans[nxt][2].lifespan, spans[nxt][2].f_start, nxt))
                 nxt += 1
             need = math.ceil((value - target) / scale - 1e-9)
             while active < need:
-                while heap and -heap[0][0] <= i:  # gaps ending before this segment
-                    heapq.heappop(heap)
+                while heap and (-heap[0][0] <= i or id(spans[heap[0][3]][2]) in taken):
+                    heapq.heappop(heap)  # gaps ending before this segment, or of a chunk already taken
                 if not heap or len(chosen) == n:
                     return None
                 _, _, _, k = heapq.heappop(heap)
-                chosen.append(spans[k][2])
-                active += 1
-                ends[spans[k][1]] += 1
+                c = spans[k][2]
+                chosen.append(c)
+                taken.add(id(c))
+                for lo, hi in linked[id(c)]:
+                    if lo <= i < hi:
+                        active += 1
+                        ends[hi] += 1
+                    elif lo > i:
+                        begins[lo] += 1
+                        ends[hi] += 1
         return chosen
 
     peak = max(level)
@@ -1091,6 +1109,13 @@ def _lower_peak_first(
 def _gap(chunk: _Chunk, copy: float) -> tuple[float, float]:
     """When an offloaded chunk is off the device: its offload's end to its reload's start."""
     return chunk.f_end + copy, max(chunk.f_end + copy, chunk.reload_start)
+
+
+def _w_gap(chunk: _Chunk, timeline) -> tuple[float, float]:
+    """When a chunk dropped after its I is off the device again: its I's end to the issue of its reload for
+    W (the end of the pass before ``w_slot``) in the compute-only timeline."""
+    i_end = timeline[chunk.i_index][2]
+    return i_end, max(i_end, timeline[chunk.w_slot - 1][2])
 
 
 def _initial_slot(chunk: _Chunk, timeline, copy: float, policy: OffloadPolicy) -> int:
