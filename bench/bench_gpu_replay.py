@@ -67,6 +67,7 @@ DEFAULT_CONFIGS = (
     "ScheduleVHalf/budget:auto:0.1/selective:0.75,mlp",
     "ScheduleVZB/none/none",
     "ScheduleVZB/budget:auto:0.1/selective",
+    "ScheduleVZB/budget:sublayer/mlp",
     "Interleaved1F1B/none/none",
     "Interleaved1F1B/full/none",
     "Interleaved1F1B/budget:auto:0.1/none",
@@ -645,6 +646,7 @@ def run_config(
     costs = Costs(**predicted["chunk_costs_s"])
     inputs = None
     if config.offload != "none":
+        from pp_offload.order.offload import resolve_offload
         from pp_offload.plan import offload_inputs, resolve_machine
 
         machine = resolve_machine(args.machine)
@@ -656,6 +658,7 @@ def run_config(
         inputs = offload_inputs(
             shape,
             schedule=config.schedule,
+            granularity=resolve_offload(config.offload).granularity,
             pp=args.pp,
             seq_len=args.seq,
             microbatch_size=1,
