@@ -228,13 +228,9 @@ def layer_activation_bytes(
         return layer_input + a * (q + 2 * kv) * n + a * q * n + lse + a * h * n + 2 * a * i * n
     saves_input, extra = _ACTIVATIONS.get(spec.hidden_act, (True, 0))
     drop = n * h if spec.resid_dropout > 0 else 0  # 1-byte masks
+    total = _attention_unit_bytes(spec, p, n=n, lse=lse, count_input=count_input)  # up to attention's return
     if spec.family == "gpt2":
         ln_stats = 2 * _big(n, 4)  # mean and rstd of one LayerNorm (fp32 on CUDA; CPU keeps bf16 in bf16)
-        total = (a * h * n if count_input else 0) + ln_stats  # ln_1 input
-        total += a * h * n  # ln_1 output = QKV projection input
-        total += a * (q + 2 * spec.kv_size) * n  # fused QKV output (q, k, v are views of it)
-        total += a * q * n + lse  # attention output (c_proj's input is a view), log-sum-exp
-        total += drop  # resid dropout after attention
         total += a * h * n + ln_stats  # residual sum = ln_2 input
         total += a * h * n  # ln_2 output = c_fc input
         total += (
@@ -242,14 +238,7 @@ def layer_activation_bytes(
         )  # c_fc out, activation internals, c_proj in
         total += drop  # resid dropout after the MLP
         return total
-    rsqrt = _big(n, 4)
-    # input RMSNorm: the fp32 input (a copy unless the input is fp32), rsqrt, normalised, output
-    total = (4 * h * n if (count_input or a != 4) else 0) + rsqrt + 2 * a * h * n
-    if spec.qk_norm:  # Qwen3: RMSNorm per head on q and k, before the rotary embedding
-        for width, heads in ((q, spec.num_heads), (spec.kv_size, spec.num_kv_heads)):
-            total += 4 * width * n + _big(n * heads, 4) + a * width * n
-    total += a * (2 * q + 2 * spec.kv_size) * n + lse  # rotated q, rotated k, v, attention output
-    total += 4 * h * n + rsqrt + 2 * a * h * n  # post-attention RMSNorm on the residual sum
+    total += 4 * h * n + _big(n, 4) + 2 * a * h * n  # post-attention RMSNorm on the residual sum
     total += (
         a * i * n * ((1 if saves_input else 0) + extra + 3)
     )  # gate, activation internals, act, up, product
@@ -297,20 +286,29 @@ def layer_unit_bytes(
     whole = layer_activation_bytes(spec, dtype, recompute=mode, **kw)
     if mode in ("full", "selective"):
         return (whole,)
-    p = precision(dtype)
-    a, n = p.act_bytes, microbatch_size * seq_len
-    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    n = microbatch_size * seq_len
     lse = _big(microbatch_size * spec.num_heads * seq_len, 4)
-    if spec.family == "gpt2":  # ln_1 input and stats, its output, fused QKV, attention output, dropout
-        attention = (a * h * n if count_input else 0) + 2 * _big(n, 4) + a * h * n
-        attention += a * (q + 2 * kv) * n + a * q * n + lse + (n * h if spec.resid_dropout > 0 else 0)
-    else:  # input RMSNorm, (Qwen3 q/k norms), rotated q and k, v, attention output, log-sum-exp
-        attention = (4 * h * n if (count_input or a != 4) else 0) + _big(n, 4) + 2 * a * h * n
-        if spec.qk_norm:
-            for width, heads in ((q, spec.num_heads), (kv, spec.num_kv_heads)):
-                attention += 4 * width * n + _big(n * heads, 4) + a * width * n
-        attention += a * (2 * q + 2 * kv) * n + lse
+    attention = _attention_unit_bytes(spec, precision(dtype), n=n, lse=lse, count_input=count_input)
     return (attention, whole - attention)
+
+
+def _attention_unit_bytes(spec: ModelSpec, p: Precision, *, n: int, lse: int, count_input: bool) -> int:
+    """What a decoder layer without recompute saves up to its attention module's return (the first
+    sub-layer unit; `layer_activation_bytes` adds the rest to it), for ``n`` tokens. GPT-2: ln_1's input
+    and stats, its output (the QKV projection's input), the fused QKV output (q, k, v are views of it),
+    the attention output (c_proj's input is a view) and its log-sum-exp, the residual dropout mask.
+    Llama family: the input RMSNorm (its fp32 input, a copy unless the input is fp32; rsqrt; normalised;
+    output), Qwen3's per-head q/k RMSNorms before the rotary embedding, rotated q and k, v, the attention
+    output and its log-sum-exp."""
+    a, h, q, kv = p.act_bytes, spec.hidden_size, spec.q_size, spec.kv_size
+    if spec.family == "gpt2":
+        total = (a * h * n if count_input else 0) + 2 * _big(n, 4) + a * h * n
+        return total + a * (q + 2 * kv) * n + a * q * n + lse + (n * h if spec.resid_dropout > 0 else 0)
+    total = (4 * h * n if (count_input or a != 4) else 0) + _big(n, 4) + 2 * a * h * n
+    if spec.qk_norm:
+        for width, heads in ((q, spec.num_heads), (kv, spec.num_kv_heads)):
+            total += 4 * width * n + _big(n * heads, 4) + a * width * n
+    return total + a * (2 * q + 2 * kv) * n + lse
 
 
 def layers_unit_bytes(
