@@ -521,17 +521,22 @@ def plan_offload(
                 plan = replace(other, policy=policy)
         return plan
 
-    plan = _plan_whole(compute, costs, policy, drop_after_i=False)
-    if policy.drop_after_i:
-        dropped = _plan_whole(compute, costs, policy, drop_after_i=True)
-        if dropped.sim.makespan <= plan.sim.makespan + _EPS and dropped.sim.peak < plan.sim.peak - _EPS:
-            plan = dropped
+    plan, drops = _plan_whole(compute, costs, policy, drop_after_i=policy.drop_after_i)
+    if drops:  # the drop is kept only where it lowers the peak without slowing the step
+        kept, _ = _plan_whole(compute, costs, policy, drop_after_i=False)
+        if not (plan.sim.makespan <= kept.sim.makespan + _EPS and plan.sim.peak < kept.sim.peak - _EPS):
+            plan = kept
     return plan
 
 
-def _plan_whole(compute, costs: Costs, policy: OffloadPolicy, *, drop_after_i: bool) -> OffloadPlan:
+def _plan_whole(
+    compute, costs: Costs, policy: OffloadPolicy, *, drop_after_i: bool
+) -> tuple[OffloadPlan, bool]:
     """Whole-chunk modes (full, selective, auto): which chunks move, and where their RELOADs go (and, with
-    ``drop_after_i``, where the chunks whose W runs well after their I are reloaded again for it)."""
+    ``drop_after_i``, where the chunks whose W runs well after their I are reloaded again for it). Also
+    whether any candidate chunk could be dropped after its I: where none could, the plan is the one
+    without ``drop_after_i``, choice included."""
+    drops = False
     offloaded: dict[int, list[tuple[int, int]]] = {r: [] for r in compute}
     base = simulate(compute, costs)
     num_stages = 1 + max(a.stage_index for acts in compute.values() for a in acts)
@@ -553,7 +558,8 @@ def _plan_whole(compute, costs: Costs, policy: OffloadPolicy, *, drop_after_i: b
             for c in eligible:
                 if timeline[c.back_index][0][1] == I and c.key in w_of:
                     c.i_index, c.w_index = c.back_index, w_of[c.key]
-                    c.w_slot = _whole_w_slot(c, timeline, copy, policy.reload_margin)
+                    c.w_slot = _w_slot(c, timeline, policy.reload_margin, copy)
+                    drops = drops or c.w_slot >= 0
         n = _how_many(policy, len(chunks), len(eligible))
         if n >= len(eligible):
             chosen = sorted(eligible, key=lambda c: (-c.lifespan, c.f_start))
@@ -572,7 +578,7 @@ def _plan_whole(compute, costs: Costs, policy: OffloadPolicy, *, drop_after_i: b
                 break
             planned = _insert(compute, reloads)
             result = simulate(planned, costs, copy_lanes=policy.lanes)
-    return OffloadPlan(planned, offloaded, policy, result)
+    return OffloadPlan(planned, offloaded, policy, result), drops
 
 
 def _per_stage(value: Any, num_stages: int, name: str, *, integer: bool) -> list[Any] | None:
@@ -913,18 +919,25 @@ def _move_late_layered(
     return moved
 
 
-def _w_slot(c: _Chunk, timeline, margin: float) -> int:
-    """Where a chunk dropped after its I is reloaded for its W: the latest slot whose reload still ends
-    in time, if the chunk then stays off the device at least as long as the reload takes; else -1."""
+def _w_slot(c: _Chunk, timeline, margin: float, copy: float | None = None) -> int:
+    """Where a chunk dropped after its I is reloaded for its W: the latest slot whose reload (issued when
+    the pass before the slot ends) still ends in time, if the chunk then stays off the device at least as
+    long as the reload takes; else -1 (it stays on the device from I to W). Budget mode (``copy`` None):
+    its moved units, each needed ``margin`` unit-backwards before W reaches it; whole chunks: one copy of
+    ``copy``, ending ``margin`` W-durations before W starts."""
     if c.i_index < 0 or c.w_index < 0 or c.w_index <= c.i_index + 1:
         return -1
     i_end = timeline[c.i_index][2]
     _, w_start, w_end = timeline[c.w_index]
-    latest = _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start)
+    if copy is None:
+        latest = _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start)
+        copy = sum(map(c.copy_of, range(c.moved)))
+    else:
+        latest = w_start - margin * (w_end - w_start) - copy
     for slot in range(c.w_index, c.i_index, -1):
         issue = timeline[slot - 1][2]
         if issue <= latest + _EPS:
-            return slot if issue - i_end >= sum(map(c.copy_of, range(c.moved))) - _EPS else -1
+            return slot if issue - i_end >= copy - _EPS else -1
     return -1
 
 
@@ -1172,22 +1185,6 @@ def _move_late_reloads(
                 chunk.slot -= 1
                 moved = True
     return moved
-
-
-def _whole_w_slot(c: _Chunk, timeline, copy: float, margin: float) -> int:
-    """Whole-chunk `_w_slot`: the latest slot before W whose reload (one chunk copy, issued when the pass
-    before the slot ends) ends ``margin`` W-durations before W starts, if the chunk then stays off the
-    device at least as long as that reload takes; else -1 (the chunk stays on the device from I to W)."""
-    if c.w_index <= c.i_index + 1:
-        return -1
-    i_end = timeline[c.i_index][2]
-    _, w_start, w_end = timeline[c.w_index]
-    deadline = w_start - margin * (w_end - w_start) + _EPS
-    for slot in range(c.w_index, c.i_index, -1):
-        issue = timeline[slot - 1][2]
-        if issue + copy <= deadline:
-            return slot if issue - i_end >= copy - _EPS else -1
-    return -1
 
 
 def _insert(compute: dict[int, list[Action]], reloads: dict[int, dict[tuple[int, int], _Chunk]]):
