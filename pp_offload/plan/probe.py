@@ -418,7 +418,7 @@ def _mark_units(
     (`stage_units`) to note, per layer, (its bytes as one unit, its units' bytes) from the running chunk
     capture's marks; the first chunk's figures are kept (every microbatch saves the same). Returns the
     undo."""
-    from pp_offload.runtime.offload import stage_units
+    from pp_offload.runtime.offload import hook_unit_boundaries, stage_units
 
     try:
         layers = stage_units(stage, "sublayer")
@@ -426,7 +426,6 @@ def _mark_units(
         return lambda: None
     index = int(stage.stage_index)
     marks: dict[int, list[int]] = {}
-    handles = []
 
     def mark(layer: int, where: str) -> None:
         key = store.capturing()
@@ -444,11 +443,12 @@ def _mark_units(
             parts = tuple(store.recorded_bytes(key, a, b) for a, b in zip(points, points[1:], strict=False))
             found.setdefault(index, {})[layer] = (whole, parts)
 
-    for i, (layer, split) in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda mod, args, i=i: mark(i, "start")))
-        if split is not None:
-            handles.append(split.register_forward_hook(lambda mod, args, out, i=i: mark(i, "split")))
-        handles.append(layer.register_forward_hook(lambda mod, args, out, i=i: mark(i, "end")))
+    handles = hook_unit_boundaries(
+        layers,
+        start=lambda layer, unit: mark(layer, "start"),
+        split=lambda layer, unit: mark(layer, "split"),
+        end=lambda layer, unit: mark(layer, "end"),
+    )
 
     def undo() -> None:
         for handle in handles:

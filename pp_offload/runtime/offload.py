@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,7 @@ __all__ = [
     "OffloadRuntime",
     "attention_submodule",
     "enable_offload",
+    "hook_unit_boundaries",
     "stage_layers",
     "stage_units",
     "unit_count",
@@ -374,20 +375,42 @@ def _hook_units(stage: Any, runtime: OffloadRuntime, units: list[tuple[nn.Module
         current[1].close()
         store.offload((*runtime._active[0], unit))
 
-    first = 0
-    for layer, split in units:
-        last = first if split is None else first + 1
-        layer.register_forward_pre_hook(lambda mod, args, u=first: begin(u))
-        if split is not None:
+    def boundary(layer: int, unit: int) -> None:  # the attention returned: its unit ends, the rest begins
+        if open_capture[0] is not None and open_capture[0][0] == unit:
+            end(unit)
+            begin(unit + 1)
 
-            def boundary(mod: nn.Module, args: Any, out: Any, u: int = first) -> None:
-                if open_capture[0] is not None and open_capture[0][0] == u:
-                    end(u)
-                    begin(u + 1)
+    hook_unit_boundaries(
+        units,
+        start=lambda layer, unit: begin(unit),
+        split=boundary,
+        end=lambda layer, unit: end(unit),
+    )
 
-            split.register_forward_hook(boundary)
-        layer.register_forward_hook(lambda mod, args, out, u=last: end(u))
+
+def hook_unit_boundaries(
+    units: list[tuple[nn.Module, nn.Module | None]],
+    *,
+    start: Callable[[int, int], None],
+    split: Callable[[int, int], None],
+    end: Callable[[int, int], None],
+) -> list[Any]:
+    """Hooks at the boundaries of `stage_units`' units, each called with (layer index, unit index across
+    the stage): ``start`` before a layer's forward (its first unit begins), ``split`` when a split layer's
+    attention submodule returns (its first unit ends, its second begins; the unit index is the first's),
+    ``end`` when the layer's forward returns (its last unit ends). The runtime's captures and the probe's
+    byte marks (`pp_offload.plan.probe`) use the same boundaries through this. Returns the hook handles."""
+    handles, first = [], 0
+    for index, (layer, attention) in enumerate(units):
+        last = first if attention is None else first + 1
+        handles.append(layer.register_forward_pre_hook(lambda mod, args, i=index, u=first: start(i, u)))
+        if attention is not None:
+            handles.append(
+                attention.register_forward_hook(lambda mod, args, out, i=index, u=first: split(i, u))
+            )
+        handles.append(layer.register_forward_hook(lambda mod, args, out, i=index, u=last: end(i, u)))
         first = last + 1
+    return handles
 
 
 def _hook_stage(stage: Any, runtime: OffloadRuntime) -> None:
