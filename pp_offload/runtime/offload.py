@@ -75,7 +75,6 @@ __all__ = [
     "OffloadRuntime",
     "attention_submodule",
     "enable_offload",
-    "hook_unit_boundaries",
     "stage_layers",
     "stage_units",
     "unit_count",
