@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MODES", "RecomputePlan", "parse_recompute"]
+__all__ = ["MODES", "PASSES", "RecomputePlan", "parse_recompute", "recomputations"]
 
 MODES = ("none", "mlp", "selective", "full")
 """Per-layer modes, least recompute first: keep everything; selective recompute of the MLP block only (keep
@@ -29,6 +29,32 @@ its matmul outputs, recompute its activation function and gated product: the ops
 per byte of HBM traffic they cost); keep matmul and attention outputs and recompute the elementwise ops
 of the whole layer (`pp_offload.runtime.recompute`); keep only the layer input and recompute the whole
 layer."""
+
+
+PASSES = ("F", "I", "W", "B")
+"""A stage's passes for one microbatch: forward, input-gradient, weight-gradient, full backward."""
+
+
+def recomputations(kind: str, *, first_stage: bool = False) -> int:
+    """How many times one pass of ``kind`` re-runs each recomputed layer of its stage, for one microbatch.
+
+    The one rule the runtime follows and the planner charges (``tests/test_recompute_counts.py`` counts the
+    runtime's recomputations against it):
+
+    - ``F`` runs the forward, nothing recomputed;
+    - ``I`` and ``W`` are separate autograd calls and each recomputes once (W's per-parameter-group calls
+      share one recomputation: `pp_offload.runtime.compat.share_weight_pass_recomputation`);
+    - ``B``, one full backward, recomputes once;
+    - torch's first stage (``first_stage``, no input gradient to compute) does nothing at I and runs its
+      whole backward at W: 0 at I, 1 at W.
+
+    So with split backward a recomputed layer runs 3 times per microbatch (F, I, W), with a full backward
+    twice (F, B)."""
+    if kind not in PASSES:
+        raise ValueError(f"pass kind must be one of {', '.join(PASSES)}, got {kind!r}")
+    if kind == "F" or (kind == "I" and first_stage):
+        return 0
+    return 1
 
 
 @dataclass(frozen=True)

@@ -86,10 +86,15 @@ class PackedBatches:
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """This rank's rows of global batch ``step``.
 
-        int64 ``input_ids``, ``labels``, ``position_ids`` of shape ``(global_batch_size // dp_size, seq_len)``
-        and ``num_target_tokens``, the 0-d count of labels != -100 in the whole global batch (all ranks).
+        int64 ``input_ids``, ``labels``, ``position_ids`` of shape
+        ``(global_batch_size // dp_size, seq_len)``,
+        ``num_target_tokens``, the 0-d count of labels != -100 in the whole global batch (all ranks), and
+        ``packed_rows``, whether each row packs several documents (`pp_offload.models.masks.packed_rows`).
+        The last two are host facts: `to_device` leaves them on the CPU.
         """
         import torch
+
+        from pp_offload.models.masks import packed_rows
 
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -99,7 +104,18 @@ class PackedBatches:
         data = self._data[mine.tolist()]
         out = {name: torch.from_numpy(_matrix(data[name]).astype(np.int64)) for name in PACKED_COLUMNS}
         out["num_target_tokens"] = torch.tensor(int(self._targets[rows].sum()), dtype=torch.int64)
+        out["packed_rows"] = packed_rows(out["position_ids"])
         return out
+
+
+HOST_KEYS = ("num_target_tokens", "packed_rows")  # packed_rows: pp_offload.models.masks.PACKED_ROWS_KEY
+"""Batch entries the step reads on the host (the loss's target count, the masks' packed rows): kept on the
+CPU, so reading them never waits for the device."""
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``batch`` with its tensors on ``device``, except the host facts (`HOST_KEYS`): they stay on the CPU."""
+    return {k: v if k in HOST_KEYS else v.to(device) for k, v in batch.items()}
 
 
 def _matrix(rows: np.ndarray | list) -> np.ndarray:

@@ -64,7 +64,7 @@ def _microbatches(batch: Mapping[str, torch.Tensor], n: int) -> list[dict[str, t
     rows = batch["input_ids"].shape[0]
     if rows % n:
         raise ValueError(f"a batch of {rows} rows does not split into {n} equal microbatches")
-    keys = [k for k in ("input_ids", "labels", "position_ids") if batch.get(k) is not None]
+    keys = [k for k in ("input_ids", "labels", "position_ids", "packed_rows") if batch.get(k) is not None]
     parts = {k: batch[k].tensor_split(n) for k in keys}
     return [{k: parts[k][i] for k in keys} for i in range(n)]
 
@@ -191,6 +191,8 @@ def evaluate_pipeline(
                         kwargs = {}
                         if "position_ids" in mb:
                             kwargs["position_ids"] = mb["position_ids"].to(device)
+                        if "packed_rows" in mb:  # a host fact: stays on the CPU
+                            kwargs["packed_rows"] = mb["packed_rows"]
                         out = stage.submod(x, **kwargs)
                         if s == num_stages - 1:
                             part, count = _token_loss_sum(out, mb["labels"].to(device))

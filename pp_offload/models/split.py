@@ -7,10 +7,11 @@ parameters with the model they were cut from: nothing is copied, and a weight ti
 embedding and the LM head stays one ``Parameter`` when both ends land on one rank (V placement puts stages
 0 and 2d-1 on rank 0), so its gradient is the sum of both uses, as in the unsplit model.
 
-Only hidden states cross stage boundaries. Position ids and an optional attention mask are keyword
-arguments of ``schedule.step`` and reach every stage; each stage recomputes rotary embeddings and attention
-masks (cheap) exactly as the unsplit model does, with the mask kind chosen per layer from the config's
-``layer_types`` (sliding-window layers stay sliding-window).
+Only hidden states cross stage boundaries. Position ids, an optional attention mask and the host's
+packed-rows fact (`pp_offload.models.masks`) are keyword arguments of ``schedule.step`` and reach every
+stage; each stage recomputes rotary embeddings and attention masks (cheap) exactly as the unsplit model
+does, with the mask kind chosen per layer from the config's ``layer_types`` (sliding-window layers stay
+sliding-window).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import inspect
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from torch import nn
 from pp_offload.balance import balanced_layers
 from pp_offload.models.families import INPUT_OPS, LOGIT_OPS, Family, UnsupportedModelError, family_of
 from pp_offload.models.lora import unwrap_peft
+from pp_offload.models.masks import build_mask
 from pp_offload.models.router_aux import RouterAux, router_aux_of
 
 __all__ = ["CausalLMStage", "KeptLayers", "ModelSplit", "balanced_layers", "chain_stages", "split_model"]
@@ -76,7 +78,11 @@ def _trimmed(
 
 class CausalLMStage(nn.Module):
     """One pipeline stage of a causal LM: ``forward(x, router_stats=None, position_ids=None,
-    attention_mask=None)``.
+    attention_mask=None, packed_rows=None)``.
+
+    ``packed_rows`` is the host's answer to "does this row pack several documents?" (a CPU bool tensor per
+    row, `pp_offload.models.masks.packed_rows` of the batch's position ids): with it the stage builds its
+    attention masks without reading a device tensor (no host synchronization in a training step).
 
     ``x`` is ``input_ids`` on the first stage and the previous stage's hidden states elsewhere; the last
     stage returns logits, the others hidden states. Built by :func:`split_model`.
@@ -126,14 +132,16 @@ class CausalLMStage(nn.Module):
         router_stats: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        packed_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        masks = _MaskFacts(attention_mask, packed_rows)
         if not self.carries_router_stats:
             if router_stats is not None:
                 raise ValueError(
                     f"stage {self.stage_index} got router_stats but carries none (no router aux loss, or "
                     "eval mode)"
                 )
-            return self._forward(x, position_ids, attention_mask)
+            return self._forward(x, position_ids, masks)
         aux = self.router_aux
         assert aux is not None
         if attention_mask is not None:
@@ -150,20 +158,21 @@ class CausalLMStage(nn.Module):
                 )
             router_stats = aux.empty(x.device)
         with aux.capture(self) as router_logits:
-            out = self._forward(x, position_ids, attention_mask)
+            out = self._forward(x, position_ids, masks)
         stats = aux.accumulate(router_stats, router_logits)
         # the aux loss as shape (1,), not a scalar: schedule.step's returned outputs concatenate the
         # microbatches' outputs, giving one aux loss per microbatch (a 0-d tensor cannot be concatenated)
         return (out, aux.loss(stats).reshape(1)) if self.is_last else (out, stats)
 
-    def _forward(self, x: torch.Tensor, position_ids: Any, attention_mask: Any) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, position_ids: Any, masks: _MaskFacts) -> torch.Tensor:
         base = getattr(self, self._family.base)
         if position_ids is None:
             position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            masks = _MaskFacts(masks.attention_mask, torch.zeros(1, dtype=torch.bool))  # one document a row
         if self._family.kind == "gpt2":
-            hidden = self._gpt2(base, x, position_ids, attention_mask)
+            hidden = self._gpt2(base, x, position_ids, masks)
         else:
-            hidden = self._decoder(base, x, position_ids, attention_mask)
+            hidden = self._decoder(base, x, position_ids, masks)
         if not self.is_last:
             return hidden
         hidden = getattr(base, self._family.norm)(hidden)
@@ -175,7 +184,7 @@ class CausalLMStage(nn.Module):
         return logits
 
     def _decoder(
-        self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, mask: Any
+        self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, facts: _MaskFacts
     ) -> torch.Tensor:
         hidden = getattr(base, self._family.embeddings[0])(x) if self.is_first else x
         if self.is_first:
@@ -186,7 +195,7 @@ class CausalLMStage(nn.Module):
         kinds = {index: _layer_type(self._config, index) for index in self.layer_ids}
         mask_positions = position_ids if self._family.mask_positions else None
         masks = _attention_masks(
-            self._config, set(kinds.values()), hidden, mask, mask_positions, dict(self._family.mask_extra)
+            self._config, set(kinds.values()), hidden, facts, mask_positions, dict(self._family.mask_extra)
         )
         rotary: dict[str, Any] = {}
         if "rotary_emb" not in self._family.shared:
@@ -202,7 +211,6 @@ class CausalLMStage(nn.Module):
                 hidden,
                 attention_mask=masks[kinds[index]],
                 position_ids=position_ids,
-                past_key_values=None,
                 use_cache=False,
                 **extra,
             )
@@ -222,19 +230,22 @@ class CausalLMStage(nn.Module):
             }
         return {"position_embeddings": base.rotary_emb(hidden, position_ids, kind)}
 
-    def _gpt2(self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, mask: Any) -> torch.Tensor:
+    def _gpt2(
+        self, base: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, facts: _MaskFacts
+    ) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         hidden = base.drop(base.wte(x) + base.wpe(position_ids)) if self.is_first else x
-        causal = create_causal_mask(
+        causal = build_mask(
+            create_causal_mask,
             config=self._config,
-            inputs_embeds=hidden,
-            attention_mask=mask,
-            past_key_values=None,
+            hidden=hidden,
+            attention_mask=facts.attention_mask,
             position_ids=position_ids,
+            packed=facts.packed_rows,
         )
         for _, block in getattr(base, self._family.layers).indexed():
-            out = block(hidden, None, causal, use_cache=False, position_ids=position_ids)
+            out = block(hidden, attention_mask=causal, use_cache=False, position_ids=position_ids)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
@@ -252,15 +263,24 @@ def _rotary_per_layer_type(rotary: nn.Module) -> bool:
     return "layer_type" in inspect.signature(rotary.forward).parameters
 
 
+class _MaskFacts(NamedTuple):
+    """What a stage's masks are built from besides the hidden states and position ids: the caller's
+    padding mask and the host's packed-rows fact (`pp_offload.models.masks.packed_rows`)."""
+
+    attention_mask: Any
+    packed_rows: torch.Tensor | None
+
+
 def _attention_masks(
     config: Any,
     kinds: set[str],
     hidden: torch.Tensor,
-    mask: Any,
+    facts: _MaskFacts,
     position_ids: torch.Tensor | None,
     family_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One mask per layer kind, built as the families' base models build them (transformers 5.x)."""
+    """One mask per layer kind, built as the families' base models build them (transformers 5.x), with
+    no host read of a device tensor (`pp_offload.models.masks`)."""
     from transformers import masking_utils as mu
 
     builders: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -277,13 +297,15 @@ def _attention_masks(
         if kind not in builders:
             raise UnsupportedModelError(f"layer attention type {kind!r} is not supported by the stage split")
         build, extra = builders[kind]
-        masks[kind] = build(
+        masks[kind] = build_mask(
+            build,
             config=config,
-            inputs_embeds=hidden,
-            attention_mask=mask,
-            past_key_values=None,
+            hidden=hidden,
+            attention_mask=facts.attention_mask,
             position_ids=position_ids,
-            **{**extra, **(family_extra or {})},
+            packed=facts.packed_rows,
+            kind=kind,
+            extra={**extra, **(family_extra or {})},
         )
     return masks
 

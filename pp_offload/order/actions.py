@@ -54,7 +54,9 @@ class Costs:
     are imbalanced (embedding on the first stage, LM head and loss on the last), so `pp_offload.sim.simulate`
     times each compute pass with its own stage's entry when given (`of_stage`). The order generators keep
     using the scalar ``F``/``I``/``W`` (an order is a plan; only its evaluation needs each stage's truth).
-    ``None``: every stage costs ``F``/``I``/``W``.
+    ``None``: every stage costs ``F``/``I``/``W``. An entry may carry a fourth number, the time counted in
+    both its I and its W that one full backward B runs only once (a recomputation:
+    `pp_offload.recompute_plan.recomputations`): that stage's B then takes ``I + W - shared``.
     """
 
     F: float = 1.0
@@ -62,7 +64,7 @@ class Costs:
     W: float = 1.0
     comm: float = 0.0
     transfer: float = 0.0
-    stages: tuple[tuple[float, float, float], ...] | None = None
+    stages: tuple[tuple[float, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("F", "I", "W"):
@@ -110,13 +112,13 @@ class Costs:
         in ``stages`` when given, else `of`."""
         if self.stages is None:
             return self.of(kind)
-        f, i, w = self.stages[stage]
-        return {F: f, I: i, W: w, B: i + w}[kind]
+        f, i, w, *shared = self.stages[stage]
+        return {F: f, I: i, W: w, B: i + w - sum(shared)}[kind]
 
 
-def _stage_costs(stages: object) -> tuple[tuple[float, float, float], ...]:
-    """``stages`` as a tuple (hashable) of ``(F, I, W)`` float triples, each > 0; a ValueError names the
-    stage otherwise."""
+def _stage_costs(stages: object) -> tuple[tuple[float, ...], ...]:
+    """``stages`` as a tuple (hashable) of ``(F, I, W)`` float triples, each > 0, or ``(F, I, W, shared)``
+    with ``0 <= shared < min(I, W)`` (`Costs`); a ValueError names the stage otherwise."""
     if isinstance(stages, (str, bytes, Mapping)) or not hasattr(stages, "__iter__"):
         raise ValueError(f"costs['stages'] must be a list of [F, I, W] per stage, got {stages!r}")
     out = []
@@ -125,13 +127,20 @@ def _stage_costs(stages: object) -> tuple[tuple[float, float, float], ...]:
             triple = tuple(float(v) for v in entry)
         except (TypeError, ValueError):
             triple = ()
-        if len(triple) != 3:
-            raise ValueError(f"costs['stages'][{s}] must be [F, I, W] (3 numbers), got {entry!r}")
-        for name, value in zip((F, I, W), triple, strict=True):
+        if len(triple) not in (3, 4):
+            raise ValueError(
+                f"costs['stages'][{s}] must be [F, I, W] or [F, I, W, shared] (3 or 4 numbers), got {entry!r}"
+            )
+        for name, value in zip((F, I, W), triple, strict=False):
             if not value > 0 or value == float("inf"):
                 raise ValueError(
                     f"costs['stages'][{s}] (stage {s}): {name} must be a finite number > 0, got {value!r}"
                 )
+        if len(triple) == 4 and not 0 <= triple[3] < min(triple[1], triple[2]):
+            raise ValueError(
+                f"costs['stages'][{s}] (stage {s}): shared must be >= 0 and below both I and W, got "
+                f"{triple[3]!r}"
+            )
         out.append(triple)
     if not out:
         raise ValueError("costs['stages'] is empty; give [F, I, W] per stage, or None for the scalar F/I/W")

@@ -429,9 +429,12 @@ def activation_checkpointing(
 
     Cost with split backward: the I and the W pass each recompute the layer's forward once (they are two
     autograd calls, and one shared recomputation would have to keep the layer's activations alive from
-    I to W, which is what checkpointing avoids); a full backward (B) recomputes it once. Idempotent; a
-    second call with another mode switches the layers to it. Apply before or after `apply_fsdp`, before
-    the first step.
+    I to W, which is what checkpointing avoids); a full backward (B) recomputes it once; torch's stage 0
+    (no input gradient) runs its whole backward at W, once (`pp_offload.recompute_plan.recomputations`, the
+    rule the planner charges). W makes one autograd call per parameter group; checkpointing a layer installs
+    `pp_offload.runtime.compat.share_weight_pass_recomputation` so that they share one recomputation.
+    Idempotent; a second call with another mode switches the layers to it. Apply before or after
+    `apply_fsdp`, before the first step.
     """
     try:
         plan = parse_recompute(mode)
@@ -443,6 +446,8 @@ def activation_checkpointing(
             f"or 'none' (undo), got {mode!r}"
         )
     find_layers = layers if layers is not None else _decoder_layers
+    if plan.mode != "none":
+        compat.share_weight_pass_recomputation()
     wrapped = 0
     for stage in _stage_modules(modules).values():
         found = list(find_layers(stage))

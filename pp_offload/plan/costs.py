@@ -12,8 +12,9 @@ transfers between ranks: hidden-state bytes / p2p bandwidth + latency.
 
 Activation recompute (``recompute``, `pp_offload.plan.memory.RECOMPUTE`): F is unchanged and every backward
 pass of a recomputed layer first re-runs what was not kept. With split backward, I and W are two autograd
-calls and each recomputes (so both grow; torch's stage 0, which runs one full backward at W, recomputes
-once but is counted twice here: a small overestimate on one stage). ``"selective"`` re-runs the
+calls and each recomputes once (so both grow; torch's stage 0, which runs one full backward at W, recomputes
+once, at W), and a full backward B recomputes once, not twice (``PassTimes.shared``): the counts are
+`pp_offload.recompute_plan.recomputations`, the rule the runtime follows. ``"selective"`` re-runs the
 elementwise ops, memory-bound: their HBM traffic (`pp_offload.plan.memory.layer_recompute_traffic`) over
 the machine's ``hbm_bandwidth`` at its datasheet peak (optimistic: unfused elementwise kernels reach
 ~80-90% of it). ``"full"`` re-runs the layer's forward (matmuls and attention, at the same MFU).
@@ -38,7 +39,7 @@ from pp_offload.plan.memory import (
     precision,
 )
 from pp_offload.plan.model import ModelSpec
-from pp_offload.recompute_plan import parse_recompute
+from pp_offload.recompute_plan import parse_recompute, recomputations
 
 __all__ = [
     "PassTimes",
@@ -62,16 +63,24 @@ class PassTimes:
     F: float
     I: float
     W: float
+    shared: float = 0.0
+    """Time included in both I and W that one full backward B runs once (a recomputation):
+    B = I + W - shared."""
 
     @property
     def total(self) -> float:
         return self.F + self.I + self.W
 
+    @property
+    def B(self) -> float:
+        """One full backward (schedules without split backward)."""
+        return self.I + self.W - self.shared
+
     def __add__(self, other: PassTimes) -> PassTimes:
-        return PassTimes(self.F + other.F, self.I + other.I, self.W + other.W)
+        return PassTimes(self.F + other.F, self.I + other.I, self.W + other.W, self.shared + other.shared)
 
     def scaled(self, factor: float) -> PassTimes:
-        return PassTimes(self.F * factor, self.I * factor, self.W * factor)
+        return PassTimes(self.F * factor, self.I * factor, self.W * factor, self.shared * factor)
 
 
 def _projection_weights(spec: ModelSpec) -> int:
@@ -128,9 +137,10 @@ def stage_times(
     seq_len: int,
     recompute: str = "none",
 ) -> PassTimes:
-    """Seconds of one stage's F, I and W passes for one microbatch; with ``recompute``, I and W each
-    include one recompute of the stage's recomputed layers (all of them, or the plan's share: module doc)."""
-    del first  # the embedding is counted as free
+    """Seconds of one stage's F, I and W passes for one microbatch; with ``recompute``, each pass includes
+    the recomputations of the stage's recomputed layers (all of them, or the plan's share: module doc) that
+    the runtime makes in it (`pp_offload.recompute_plan.recomputations`: I and W one each, the first stage's
+    I none), and ``shared`` the one a full backward makes instead of two."""
     p = precision(dtype)
     per_token = layer_flops(spec, seq_len=seq_len).scaled(layers)
     if last:
@@ -141,7 +151,9 @@ def stage_times(
         recompute_seconds(spec, machine, p, recompute=mode, **kw)
         for mode in parse_recompute(recompute).modes(layers)
     )
-    return PassTimes(times.F, times.I + extra, times.W + extra)
+    at_i, at_w = (recomputations(kind, first_stage=first) for kind in ("I", "W"))
+    shared = extra * (at_i + at_w - recomputations("B", first_stage=first))
+    return PassTimes(times.F, times.I + extra * at_i, times.W + extra * at_w, shared)
 
 
 def recompute_seconds(

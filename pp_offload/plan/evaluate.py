@@ -374,7 +374,12 @@ def stage_pass_costs(
     at least ``floor`` (``Costs`` needs > 0; torch's stage 0 measures ~0 at I and its whole backward at W,
     which `pp_offload.sim.as_executed_by_torch` replays as one B = I + W of that stage)."""
     scale = lay.chunks_per_stage
-    return tuple(tuple(max(getattr(t, k) / scale, floor) for k in ("F", "I", "W")) for t in times)
+    out = []
+    for t in times:
+        f, i, w = (max(getattr(t, k) / scale, floor) for k in ("F", "I", "W"))
+        shared = min(t.shared / scale, 0.999 * min(i, w))  # a B recomputes once (PassTimes.shared)
+        out.append((f, i, w, shared) if shared > 0 else (f, i, w))
+    return tuple(out)
 
 
 def scalar_costs(costs: Costs) -> Costs:

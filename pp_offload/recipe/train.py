@@ -44,6 +44,7 @@ from pp_offload.data import (
     load_examples,
     pack_examples,
 )
+from pp_offload.data.batches import to_device
 from pp_offload.models import TokenCrossEntropy, export_pretrained, router_aux_of
 from pp_offload.models.evaluate import EvalResult, evaluate_model, evaluate_pipeline
 from pp_offload.models.lora import export_adapter, merged_state, unwrap_peft
@@ -329,7 +330,7 @@ def _run(
             topo.pp, topo.dp, device_type=device.type, dp_replicate=config.pipeline.dp_replicate
         )
         if is_auto(config):
-            first = {k: v.to(device) for k, v in batches.batch(resume_from or 0).items()}  # the run's first
+            first = to_device(batches.batch(resume_from or 0), device)  # the run's first
 
             def probe_step(probe: Pipeline) -> None:
                 with _autocast(config, device, topo):
@@ -382,7 +383,7 @@ def _run(
         for step in range(start, train.steps):
             if timeline is not None and step == timeline_step:
                 timeline.start()
-            batch = {k: v.to(device) for k, v in batches.batch(step).items()}
+            batch = to_device(batches.batch(step), device)
             lr = _lr_at(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -480,7 +481,7 @@ def _evaluate(
 ) -> EvalResult:
     """Validation loss over the held-out batches, forward only (no saved activations, no offload)."""
     assert data.eval_batches is not None
-    batches = [{k: v.to(device) for k, v in b.items()} for b in data.eval_batches]
+    batches = [to_device(b, device) for b in data.eval_batches]
     with _autocast(config, device, topo):
         if pipeline is not None:
             outcome = evaluate_pipeline(pipeline.schedule, batches, microbatches=config.pipeline.microbatches)
@@ -518,7 +519,14 @@ def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> float:
     kwargs = compat.no_output_kwargs(pipeline.schedule)  # the last stage's logits are not needed: losses are
     args = (batch["input_ids"],) if pipeline.has_first else ()
     target = batch["labels"] if pipeline.has_last else None
-    pipeline.schedule.step(*args, target=target, losses=losses, position_ids=batch["position_ids"], **kwargs)
+    pipeline.schedule.step(
+        *args,
+        target=target,
+        losses=losses,
+        position_ids=batch["position_ids"],
+        packed_rows=batch["packed_rows"],  # on the CPU: masks decided without reading the device
+        **kwargs,
+    )
     local = torch.stack([loss.detach().float() for loss in losses]).sum().cpu() if losses else torch.zeros(())
     dist.all_reduce(local)
     return float(local)

@@ -16,6 +16,13 @@ Known drift handled here:
   rank); gloo has no link to itself and fails with "Pair is not connected". `skip_self_p2p_warmup` drops
   those ops (NCCL never needed them either: a rank's own stages hand tensors over in memory).
 
+One recomputation per weight pass (`share_weight_pass_recomputation`): torch's ``stage_backward_weight``
+makes one ``torch.autograd.grad`` call per parameter group, and non-reentrant checkpointing recomputes a
+layer once per autograd call, so a checkpointed Llama layer was recomputed 9 times in every W. The W pass is
+run under ``torch.utils.checkpoint.GraphExecGroup`` (public since torch 2.10: every backward call under one
+group shares one recomputation), installed by replacing the ``stage_backward_weight`` name the stage module
+calls; the groups of one W cover disjoint parts of the graph, as the group requires.
+
 Selective recompute (`pp_offload.runtime.recompute`) needs two more private pieces, stable since torch 2.1:
 ``TorchDispatchMode`` (``torch.utils._python_dispatch``, the base of every dispatch mode, torch's own
 selective checkpointing included) and the dispatch-key guard that lets a tensor detached beneath autograd
@@ -53,6 +60,7 @@ __all__ = [
     "TorchDispatchMode",
     "action_kind",
     "check_compile_compatibility",
+    "share_weight_pass_recomputation",
     "views_share_version",
     "install_action_handler",
     "is_runtime_schedule",
@@ -340,6 +348,39 @@ def lower_order_offline(
     runtime = _PipelineScheduleRuntime(stages, int(num_microbatches))
     runtime._prepare_schedule_with_comms(torch_order)
     return runtime.pipeline_order_with_comms
+
+
+# --- one recomputation per backward pass ----------------------------------------------------------------
+
+
+def _weight_pass_in_one_group(original: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import GraphExecGroup
+
+    def stage_backward_weight(*args: Any, **kwargs: Any) -> Any:
+        if GraphExecGroup._get_current_group() is not None:  # groups do not nest: the caller's one holds
+            return original(*args, **kwargs)
+        with GraphExecGroup():
+            return original(*args, **kwargs)
+
+    stage_backward_weight.__wrapped__ = original  # type: ignore[attr-defined]
+    stage_backward_weight._pp_offload_one_group = True  # type: ignore[attr-defined]
+    return stage_backward_weight
+
+
+def share_weight_pass_recomputation() -> bool:
+    """Make every pipeline stage's weight pass (W) recompute each checkpointed layer once, not once per
+    parameter group (module doc). Idempotent; returns whether it is in force (False only on a torch
+    without ``GraphExecGroup``, where W keeps recomputing per group). Gradients are unchanged: the same
+    autograd calls run, and only the recomputation they unpack from is shared."""
+    from torch.distributed.pipelining import stage as _stage
+    from torch.utils import checkpoint as _checkpoint
+
+    if not hasattr(_checkpoint, "GraphExecGroup"):
+        return False
+    current = _stage.stage_backward_weight
+    if not getattr(current, "_pp_offload_one_group", False):
+        _stage.stage_backward_weight = _weight_pass_in_one_group(current)
+    return True
 
 
 # --- dispatch modes (selective recompute) ------------------------------------------------------------
