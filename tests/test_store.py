@@ -420,9 +420,8 @@ def test_cuda_grads_equal_with_slow_producers_and_slow_copies(two_lanes: bool) -
     model.zero_grad(set_to_none=True)
     x.grad = None
 
-    store = ActivationStore(
-        "cuda", min_numel=MIN_NUMEL, reload_stream=torch.cuda.Stream() if two_lanes else None
-    )
+    store = ActivationStore("cuda", min_numel=MIN_NUMEL, lanes="duplex" if two_lanes else "shared")
+    assert (store.reload_stream is not store.copy_stream) == two_lanes
     assert store.stats().host_pool == {}
     with store.capture(0, keep=[x]):
         torch.cuda._sleep(SLEEP_CYCLES)  # the forward's kernels run late: offload's copies must wait

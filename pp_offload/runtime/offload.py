@@ -165,7 +165,7 @@ def enable_offload(
         compat.relower(schedule, pull_weight_passes(schedule.pipeline_order, pulled))
     _insert_into_lowered_order(schedule, plan)
 
-    store = ActivationStore(device if device is not None else stages[0].device)
+    store = ActivationStore(device if device is not None else stages[0].device, lanes=policy.lanes)
     rank = stages[0].group_rank
     mine = set(plan.offloaded.get(rank, ()))
     moved = {key: plan.layered[key].moved for key in mine if key in plan.layered}

@@ -25,10 +25,11 @@ copied compactly. Segments of one dtype are laid out back to back, 256-byte alig
 reload is therefore one host-to-device copy per dtype, into one contiguous device buffer, and every saved
 tensor is rebuilt with ``as_strided`` on it.
 
-CUDA: copies run on a dedicated copy stream (or one per direction), ordered by ``wait_stream`` after the
-compute that produced the tensors (offload) or that may still read the memory a reload buffer reuses;
-host buffers are pinned and pooled per dtype. Compute waits on a reload's event only when it first
-unpacks a tensor of that chunk (once per stream), so it never waits on a copy it does not need. CPU:
+CUDA: copies run on one copy stream per direction (``lanes="duplex"``, the default) or on one, ordered by
+``wait_stream`` after the compute that produced the tensors (offload) or that may still read the memory a
+reload buffer reuses; host buffers are pinned and pooled per dtype. Compute waits on a reload's event only
+when it first unpacks a tensor of that chunk (once per stream), so it never waits on a copy it does not
+need. CPU:
 exactly the same code, with synchronous copies into ordinary host buffers, so views, dtypes, pooling and
 the order checks are testable everywhere.
 
@@ -274,10 +275,13 @@ class ActivationStore:
             stay on the device (copying them costs more latency than their memory is worth).
         pin_memory: pin host buffers (default: True on CUDA; CUDA only). Pinned memory is what makes
             the copies asynchronous and full-bandwidth.
-        copy_stream: the CUDA stream offloads run on (default: a new stream of ``device``), and reloads
-            too unless ``reload_stream`` is given: one copy lane, copies in action order.
-        reload_stream: a second CUDA stream for reloads: one copy lane per direction, so a reload
-            overlaps an offload on a full-duplex host link.
+        copy_stream: the CUDA stream offloads run on (default: a new stream of ``device``).
+        reload_stream: the CUDA stream reloads run on (default: per ``lanes``).
+        lanes: ``"duplex"`` (default): reloads get a stream of their own (a new one unless
+            ``reload_stream`` is given), one copy lane per direction, so a reload never queues behind an
+            offload on a full-duplex host link (what the planner and the simulator assume by default,
+            `pp_offload.order.offload.OffloadPolicy.lanes`); ``"shared"``: reloads run on ``copy_stream``,
+            one lane, copies in action order.
     """
 
     def __init__(
@@ -288,7 +292,14 @@ class ActivationStore:
         pin_memory: bool | None = None,
         copy_stream: Any = None,
         reload_stream: Any = None,
+        lanes: str = "duplex",
     ) -> None:
+        if lanes not in ("duplex", "shared"):
+            raise ValueError(
+                f"lanes must be 'duplex' (one copy stream per direction) or 'shared', got {lanes!r}"
+            )
+        if lanes == "shared" and reload_stream is not None:
+            raise ValueError("lanes='shared' runs reloads on copy_stream; do not pass a reload_stream too")
         device = torch.device(device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
@@ -311,12 +322,15 @@ class ActivationStore:
             raise ValueError("copy_stream/reload_stream are CUDA streams; a CPU store copies synchronously")
         if cuda and copy_stream is None:
             copy_stream = torch.cuda.Stream(device=device)
+        if cuda and reload_stream is None and lanes == "duplex":
+            reload_stream = torch.cuda.Stream(device=device)
         self.device = device
         self.min_numel = min_numel
         self.copy_stream = copy_stream
         """The CUDA stream offloads run on (None on CPU); synchronize it to wait for them."""
         self.reload_stream = reload_stream if reload_stream is not None else copy_stream
-        """The CUDA stream reloads run on (``copy_stream`` unless another was given; None on CPU)."""
+        """The CUDA stream reloads run on (its own with ``lanes="duplex"``, else ``copy_stream``; None on
+        CPU)."""
         self._cuda = cuda
         self._two_lanes = cuda and self.reload_stream is not self.copy_stream
         self._pool = _HostPool(pin_memory=bool(pin_memory))
