@@ -17,6 +17,7 @@ that setting. If torch ever fixes it, the test says so (and the refusal can be r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -55,6 +56,12 @@ PLAN_CELLS = (
     ("selective:0.5,mlp", "ScheduleVZB", "budget:1"),
 )
 SUBLAYER_CELLS = ("ScheduleVZB",)  # sub-layer budget offload: each stage's layer as two units
+# the hot path under FSDP2: host syncs and checkpointed-layer runs counted on the second step (after SGD)
+COUNTED_CELLS = (
+    ("ScheduleVZB", "full", "selective"),
+    ("ScheduleVHalf", "budget:1", "mlp"),
+    ("ScheduleInterleaved1F1B", None, "full"),
+)
 LR = 0.5  # large, so that a step taken with a wrong gradient or a stale parameter shows
 RTOL, ATOL = 1e-5, 1e-6  # fp32: the pipelined run sums microbatches and dp ranks in another order
 
@@ -164,6 +171,7 @@ def _run_one(
     checkpointing: bool | str = False,
     sgd_steps: int = 0,
     accumulate: int = 1,
+    count: bool = False,
     **fsdp: Any,
 ) -> dict:
     """A fresh model, ``sgd_steps`` SGD steps, then ``accumulate`` steps without zeroing the gradients:
@@ -182,6 +190,7 @@ def _run_one(
         pp_rank,
     )
     from pp_offload.runtime.catalog import schedule_info, stage_indices
+    from pp_offload.runtime.step_counts import SyncCounter, count_layer_runs
 
     info = schedule_info(name)
     num_stages = 2 * PP
@@ -216,14 +225,20 @@ def _run_one(
     loss_fn.num_target_tokens = count
     has_first, has_last = 0 in split.stages, num_stages - 1 in split.stages
     optimizer = torch.optim.SGD(split.module.parameters(), lr=LR) if sgd_steps else None
+    runs = count_layer_runs(split.stages.values()) if count else None
+    syncs = SyncCounter()
     for step in range(sgd_steps + accumulate):
         if optimizer is not None and step <= sgd_steps:
             optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        schedule.step(
-            *((ids[half],) if has_first else ()),
-            **({"target": labels[half], "losses": losses} if has_last else {}),
-        )
+        last = step == sgd_steps + accumulate - 1
+        if runs is not None:
+            runs.clear()
+        with syncs if count and last and step > 0 else contextlib.nullcontext():
+            schedule.step(
+                *((ids[half],) if has_first else ()),
+                **({"target": labels[half], "losses": losses} if has_last else {}),
+            )
         if info.placement != "v" and model.config.tie_word_embeddings:
             # loop placement: the embedding (pp rank 0) and the LM head (pp rank 1) are one weight of the
             # unsplit model; their local FSDP shards cover the same slices, so summing them over the
@@ -251,6 +266,9 @@ def _run_one(
         "norm": norm,
         "clipped": clipped,
         "units": [sum(isinstance(m, FSDPModule) for m in s.modules()) for s in sharded.modules.values()],
+        "syncs": dict(syncs.counts),
+        "runs": dict(runs or {}),
+        "first_stage_modules": [n for n, _ in split.stages[0].named_modules()] if has_first else [],
     }
 
 
@@ -278,6 +296,10 @@ def _matrix_worker(rank: int, world: int, schedules: tuple[str, ...], offloads: 
         out[(plan, name, offload)] = _run_one(mesh, name, offload, layers=AC_LAYERS, checkpointing=plan)
     for name in SUBLAYER_CELLS:
         out[("sublayer", name)] = _run_one(mesh, name, "budget:1:sublayer")
+    for name, offload, plan in COUNTED_CELLS:
+        out[("counted", name, offload, plan)] = _run_one(
+            mesh, name, offload, layers=AC_LAYERS, checkpointing=plan, sgd_steps=1, count=True
+        )
     out["bf16"] = _run_one(mesh, "ScheduleVHalf", "full", mixed_precision="bf16")
     out["sgd"] = _run_one(mesh, "ScheduleVHalf", "full", sgd_steps=2)
     out["sgd_loop"] = _run_one(mesh, "ScheduleInterleaved1F1B", None, sgd_steps=2)
@@ -531,3 +553,24 @@ def test_build_mesh_needs_a_process_group() -> None:
         build_mesh(2, 2, device_type="cpu")
     with pytest.raises(MeshError, match="device_type"):
         build_mesh(2, 2, device_type="cuda:0")
+
+
+@pytest.mark.parametrize(("schedule", "offload", "plan"), COUNTED_CELLS)
+def test_hot_path_under_fsdp(schedule: str, offload: str | None, plan: str) -> None:
+    """Under PP x FSDP2 too, the second step makes no host-synchronizing call and each checkpointed module
+    runs as `pp_offload.recompute_plan.recomputations` says (forward + I + W, torch's first stage forward +
+    W; a full backward once), after an SGD step, with the second step's gradients still exact."""
+    from pp_offload.recompute_plan import recomputations
+    from pp_offload.runtime.catalog import schedule_info
+
+    results = [r[("counted", schedule, offload, plan)] for r in _matrix()]
+    _check_run(results, f"counted {schedule} {offload} {plan}", layers=AC_LAYERS, sgd_steps=1)
+    split = schedule_info(schedule).split_backward
+    for rank, result in enumerate(results):
+        assert result["syncs"] == {}, f"rank {rank}: host syncs in the step: {result['syncs']}"
+        assert result["runs"], f"rank {rank}: no checkpointed module ran"
+        for module, count in result["runs"].items():
+            first = module in result["first_stage_modules"]
+            kinds = ("I", "W") if split else ("B",)
+            want = MICROBATCHES * (1 + sum(recomputations(k, first_stage=first) for k in kinds))
+            assert count == want, f"rank {rank} {module}: {count} runs, want {want}"

@@ -4,8 +4,9 @@ One spawn runs every schedule (ours and torch's multi-stage ones) on a tiny Llam
 documents (position ids restart inside a row), without and with full offload, and with each recompute mode.
 On the second step (the first builds the schedule's buffers) it counts:
 
-- host-synchronizing ops (`_hot_path.SyncCounter`) over the whole ``schedule.step``: must be 0. Before the
-  masks were decided on the host, every stage forward made one (transformers' packed-sequence check);
+- host-synchronizing ops (`pp_offload.runtime.step_counts.SyncCounter`) over the whole ``schedule.step``:
+  must be 0. Before the masks were decided on the host, every stage forward made one (transformers'
+  packed-sequence check);
 - runs of each checkpointed module per microbatch: the forward plus the recomputations of
   `pp_offload.recompute_plan.recomputations` (split backward: 3, or 2 on torch's first stage, which runs its
   whole backward at W; full backward: 2). Before W shared one recomputation over its parameter groups, a
@@ -100,13 +101,13 @@ def _reference_loss() -> float:
 
 def _worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
-    from _hot_path import SyncCounter, count_layer_runs
     from torch.distributed.pipelining import PipelineStage
 
     from pp_offload.models import TokenCrossEntropy, split_model
     from pp_offload.parallel import activation_checkpointing
     from pp_offload.runtime.catalog import build_schedule, schedule_info, stage_indices
     from pp_offload.runtime.offload import enable_offload
+    from pp_offload.runtime.step_counts import SyncCounter, count_layer_runs
 
     batch = _batch()
     out: dict = {}

@@ -76,7 +76,7 @@ from pp_offload.plan.probe import (
     measure_step,
     unit_shares_for,
 )
-from pp_offload.recompute_plan import RecomputePlan, parse_recompute
+from pp_offload.recompute_plan import RecomputePlan, parse_recompute, recomputations
 
 __all__ = [
     "DEFAULT_OFFLOAD",
@@ -363,8 +363,9 @@ class RecomputeOption:
         scaled by ``kept_share`` (each layer's bytes taken as the smallest measured per layer: first and
         last stages carry the embedding, head and loss besides), copy times in proportion, and I and W
         each lengthened by one recompute of the stage's layers (a layer's forward taken as the smallest
-        measured per layer). Stage 0's I and W come from one backward in torch (its I is ~0): one recompute,
-        added to W."""
+        measured per layer), as many times as the runtime recomputes in each
+        (`pp_offload.recompute_plan.recomputations`): stage 0's I and W come from one backward in torch (its
+        I is ~0), one recompute added to W; a full backward B recomputes once (``recompute_shared``)."""
         with_layers = [st for st in measurement.stages if st.layers > 0]
         if not with_layers:
             raise ValueError(
@@ -383,11 +384,13 @@ class RecomputeOption:
             ratio = saved / st.saved_bytes if st.saved_bytes else 1.0
             extra = per_layer_forward * (count * self.forward_share + others * self.rest_forward_share)
             layer_bytes, units = self._units(st, plan.modes(st.layers), per_layer_bytes)
+            at_i, at_w, at_b = (recomputations(k, first_stage=index == 0) for k in ("I", "W", "B"))
             stages.append(
                 replace(
                     st,
-                    I=st.I + (extra if index > 0 else 0.0),
-                    W=st.W + extra,
+                    I=st.I + extra * at_i,
+                    W=st.W + extra * at_w,
+                    recompute_shared=st.recompute_shared + extra * (at_i + at_w - at_b),
                     saved_bytes=saved,
                     offload=st.offload * ratio,
                     reload=st.reload * ratio,
@@ -582,7 +585,7 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
             first=s == 0,
             last=s == n - 1,
             activation=ChunkActivation(saved=st.saved_bytes),
-            times=PassTimes(st.F * _MS, st.I * _MS, st.W * _MS),
+            times=PassTimes(st.F * _MS, st.I * _MS, st.W * _MS, st.recompute_shared * _MS),
             params=0,
         )
         for s, st in enumerate(measurement.stages)

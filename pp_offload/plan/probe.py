@@ -71,6 +71,9 @@ class StageMeasurement:
     """Per decoder layer, the bytes of each of its sub-layer offload units (``budget:sublayer``): two, the
     attention half and the rest, for a layer the runtime splits (`pp_offload.runtime.offload.stage_units`),
     one for a layer it does not; empty when unknown."""
+    recompute_shared: float = 0.0
+    """Seconds included in both I and W that one full backward B runs once (a recomputation added by
+    `pp_offload.plan.auto.RecomputeOption.apply`; 0 in a probe's own measurement)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
@@ -89,7 +92,7 @@ class StageMeasurement:
             raise ValueError(f"StageMeasurement layer and unit bytes must be ints >= 0, got {flat!r}")
         if any(len(u) not in (1, 2) for u in units):
             raise ValueError(f"StageMeasurement.units: one or two units per layer, got {units!r}")
-        for name in ("F", "I", "W", "offload", "reload"):
+        for name in ("F", "I", "W", "offload", "reload", "recompute_shared"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"StageMeasurement.{name} must be a number >= 0 (seconds), got {value!r}")

@@ -367,18 +367,24 @@ def _weight_pass_in_one_group(original: Callable[..., Any]) -> Callable[..., Any
     return stage_backward_weight
 
 
-def share_weight_pass_recomputation() -> bool:
+def share_weight_pass_recomputation(enabled: bool = True) -> bool:
     """Make every pipeline stage's weight pass (W) recompute each checkpointed layer once, not once per
     parameter group (module doc). Idempotent; returns whether it is in force (False only on a torch
     without ``GraphExecGroup``, where W keeps recomputing per group). Gradients are unchanged: the same
-    autograd calls run, and only the recomputation they unpack from is shared."""
+    autograd calls run, and only the recomputation they unpack from is shared. ``enabled=False`` gives
+    torch's own behaviour back (``bench/bench_hotpath.py`` measures both side by side)."""
     from torch.distributed.pipelining import stage as _stage
     from torch.utils import checkpoint as _checkpoint
 
+    current = _stage.stage_backward_weight
+    installed = getattr(current, "_pp_offload_one_group", False)
+    if not enabled:
+        if installed:
+            _stage.stage_backward_weight = current.__wrapped__
+        return False
     if not hasattr(_checkpoint, "GraphExecGroup"):
         return False
-    current = _stage.stage_backward_weight
-    if not getattr(current, "_pp_offload_one_group", False):
+    if not installed:
         _stage.stage_backward_weight = _weight_pass_in_one_group(current)
     return True
 

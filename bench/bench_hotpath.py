@@ -1,0 +1,354 @@
+"""The training step's hot path on CPU: what recompute really costs per schedule, against what the planner
+predicts, and what a step does (host-synchronizing ops, runs of each checkpointed layer).
+
+Why: the first GPU run measured recompute at 2-3x the planner's price. Two causes reproduced on CPU: a host
+synchronization in every stage forward (transformers' packed-sequence check on device position ids) and a
+checkpointed layer recomputed once per parameter group in W (11 runs per microbatch for a Llama layer). Both
+are fixed (`pp_offload.models.masks`, `pp_offload.runtime.compat.share_weight_pass_recomputation`); this
+bench shows the effect with real compute.
+
+Setup: 2 gloo ranks, one thread each, a Llama of 8 layers, hidden 256, intermediate 688, seq 256, fp32,
+microbatches of one row whose documents are packed (position ids restart), ``--microbatches`` of them (8).
+Every schedule x recompute mode (none, full, selective, mlp) is built fresh and timed side by side: one
+warm-up step, then 5 (``--quick``: 3) steps, each the slowest rank's time; the fastest is reported (on a
+shared machine the fastest step is the one least disturbed by other work), and the ratio to the same
+schedule without recompute. ``full (torch W)`` is full recompute with torch's own weight pass
+(one recomputation per parameter group): the cost before the fix, measured in the same run.
+
+Counted on one more step of each cell (not timed): host-synchronizing ops in ``schedule.step``
+(`pp_offload.runtime.step_counts.SyncCounter`) and runs of each checkpointed module per microbatch
+(forward + recomputations; the rule is `pp_offload.recompute_plan.recomputations`).
+
+Predicted: the ``schedule: auto`` planner on a probe of this very model (`pp_offload.plan.auto.measure_step`
+without recompute, then `recompute_options` rescaling it: full recompute adds one layer forward per
+recomputing pass, selective and mlp the share of the forward the planner's HBM-traffic model gives on its
+H100 preset, which is what the recipe uses on a CPU run). Its predicted step of each schedule and mode,
+over the same schedule without recompute, is the predicted ratio.
+
+    python bench/bench_hotpath.py            # ~3 min on 2 cores
+    python bench/bench_hotpath.py --quick    # 4 layers, seq 128, 3 timed steps
+
+Writes ``hotpath.json`` and ``hotpath.png`` to ``bench/results`` (or ``--out DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCHEDULES = ("ScheduleVHalf", "ScheduleVZB", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B")
+MODES = ("none", "full", "selective", "mlp", "full (torch W)")
+
+
+def _config(quick: bool) -> dict[str, Any]:
+    return {
+        "layers": 4 if quick else 8,
+        "hidden": 256,
+        "intermediate": 688,
+        "heads": 4,
+        "vocab": 1024,
+        "seq": 128 if quick else 256,
+        "steps": 3 if quick else 5,
+    }
+
+
+def _llama_config(cfg: dict[str, Any]) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["heads"],
+        vocab_size=cfg["vocab"],
+        attn_implementation="sdpa",
+    )
+
+
+def _model(cfg: dict[str, Any]) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_llama_config(cfg), dtype=torch.float32).train()
+
+
+def _batch(cfg: dict[str, Any], m: int) -> dict[str, Any]:
+    import torch
+
+    from pp_offload.models.masks import packed_rows
+
+    gen = torch.Generator().manual_seed(1)
+    seq = cfg["seq"]
+    ids = torch.randint(0, cfg["vocab"], (m, seq + 1), generator=gen)
+    positions = torch.empty(m, seq, dtype=torch.int64)
+    for r in range(m):
+        pos: list[int] = []
+        while len(pos) < seq:
+            pos.extend(range(int(torch.randint(seq // 4, seq, (1,), generator=gen))))
+        positions[r] = torch.tensor(pos[:seq])
+    return {
+        "input_ids": ids[:, :-1].contiguous(),
+        "labels": ids[:, 1:].contiguous(),
+        "position_ids": positions,
+        "packed_rows": packed_rows(positions),
+    }
+
+
+def _pipeline(name: str, rank: int, cfg: dict[str, Any], m: int, recompute: str | None, offload: Any = None):
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    from pp_offload.models import TokenCrossEntropy, split_model
+    from pp_offload.parallel import activation_checkpointing
+    from pp_offload.runtime.catalog import build_schedule, schedule_info, stage_indices
+
+    info = schedule_info(name)
+    ids = stage_indices(rank, 2, info.placement)
+    split = split_model(_model(cfg), num_stages=4, stage_indices=ids, verify=False)
+    if recompute is not None:
+        activation_checkpointing(split, mode=recompute)
+    stages = [PipelineStage(split.stages[s], s, 4, torch.device("cpu")) for s in ids]
+    loss_fn = TokenCrossEntropy()
+    loss_fn.num_target_tokens = m * cfg["seq"]
+    kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+    if offload is not None:
+        kwargs["offload"] = offload
+    schedule = build_schedule(info, stages, m, **kwargs)
+    return split, schedule, ids
+
+
+def _stepper(schedule: Any, ids: list[int], batch: dict[str, Any], split: Any):
+    def step() -> None:
+        split.module.zero_grad(set_to_none=True)
+        args = (batch["input_ids"],) if 0 in ids else ()
+        target = {"target": batch["labels"], "losses": []} if 3 in ids else {}
+        schedule.step(*args, position_ids=batch["position_ids"], packed_rows=batch["packed_rows"], **target)
+
+    return step
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _cpu_machine(cfg: dict[str, Any]) -> Any:
+    """The planner's `Machine` for this CPU core: fp32 matmul FLOP/s on the model's own projection shape
+    (achieved, so MFU 1) and elementwise memory bandwidth (a large out-of-place multiply), measured."""
+    import torch
+
+    from pp_offload.plan.machines import Machine
+
+    def best(fn: Any, repeats: int = 5) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    a, b = torch.randn(cfg["seq"], cfg["hidden"]), torch.randn(cfg["hidden"], cfg["intermediate"])
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / best(lambda: torch.mm(a, b))
+    x, y, z = torch.randn(1 << 22), torch.randn(1 << 22), torch.empty(1 << 22)
+    bandwidth = 3 * x.numel() * 4 / best(lambda: torch.mul(x, y, out=z))
+    return Machine(
+        "this CPU core",
+        flops=flops,
+        tf32_flops=flops,
+        host_bandwidth=bandwidth,
+        p2p_bandwidth=bandwidth,
+        memory_gib=16,
+        mfu=1.0,
+        hbm_bandwidth=bandwidth,
+    )
+
+
+def _predict(rank: int, cfg: dict[str, Any], m: int) -> dict[str, dict[tuple[str, str], float]]:
+    """The planner's predicted step (s) of each schedule and recompute mode, from a probe of this model:
+    with the recompute shares of the H100 preset (what ``schedule: auto`` uses on a CPU run) and of this CPU
+    core (`_cpu_machine`)."""
+    from pp_offload.plan.auto import PROBE_OFFLOAD, PROBE_SCHEDULE, choose, measure_step, recompute_options
+
+    batch = _batch(cfg, m)
+    split, probe, ids = _pipeline(PROBE_SCHEDULE, rank, cfg, m, None, offload=PROBE_OFFLOAD)
+    measured = measure_step(probe, _stepper(probe, ids, batch, split), steps=2)
+    machines = {"H100": "H100", "cpu": _cpu_machine(cfg)}
+    out = {}
+    for key, machine in machines.items():
+        options = recompute_options(
+            _llama_config(cfg),
+            seq_len=cfg["seq"],
+            microbatch_size=1,
+            machine=machine,
+            dtype="fp32",
+            modes=("full", "selective", "mlp"),
+        )
+        decision = choose(
+            measured, num_microbatches=m, schedules=list(SCHEDULES), offload=["none"], recompute=options
+        )
+        out[key] = {(c.schedule, c.recompute): c.predicted_step_s for c in decision.candidates}
+    return out
+
+
+def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from pp_offload.runtime import compat
+    from pp_offload.runtime.step_counts import SyncCounter, count_layer_runs
+
+    torch.set_num_threads(1)
+    predicted = _predict(rank, cfg, m)
+    batch = _batch(cfg, m)
+    rows = []
+    for name in SCHEDULES:
+        for mode in MODES:
+            recompute = None if mode == "none" else mode.split()[0]
+            split, schedule, ids = _pipeline(name, rank, cfg, m, recompute)
+            if mode.endswith("(torch W)"):
+                compat.share_weight_pass_recomputation(False)
+            step = _stepper(schedule, ids, batch, split)
+            step()  # warm-up: buffers, first-step set-up
+            times = []
+            for _ in range(cfg["steps"]):
+                dist.barrier()
+                began = time.perf_counter()
+                step()
+                times.append(_slowest(time.perf_counter() - began))
+            runs = count_layer_runs(split.stages.values())
+            with SyncCounter() as syncs:
+                step()
+            compat.share_weight_pass_recomputation(True)
+            per_layer = max(runs.values()) / m if runs else 0.0
+            total_syncs = torch.tensor([syncs.total], dtype=torch.int64)
+            dist.all_reduce(total_syncs, op=dist.ReduceOp.MAX)
+            worst_runs = torch.tensor([per_layer], dtype=torch.float64)
+            dist.all_reduce(worst_runs, op=dist.ReduceOp.MAX)
+            rows.append(
+                {
+                    "schedule": name,
+                    "mode": mode,
+                    "step_s": min(times),
+                    "syncs_per_rank": int(total_syncs),
+                    "runs_per_microbatch": float(worst_runs),
+                    **{
+                        f"predicted_step_s_{key}": found.get(
+                            (name, "none" if mode == "none" else mode.split()[0])
+                        )
+                        for key, found in predicted.items()
+                    },
+                }
+            )
+    return {"rows": rows}
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    """Measured and predicted ratios to the same schedule without recompute; ``off``: predicted/measured."""
+    base = {r["schedule"]: r for r in rows if r["mode"] == "none"}
+    lines = [
+        f"{'schedule':24} {'recompute':15} {'step s':>7} {'x none':>7} {'cpu x':>6} {'off':>5} "
+        f"{'H100 x':>6} {'off':>5} {'runs/mb':>7} {'syncs':>5}",
+    ]
+    for r in rows:
+        b = base[r["schedule"]]
+        r["ratio"] = r["step_s"] / b["step_s"]
+        cells = []
+        for key in ("cpu", "H100"):
+            p, q = r.get(f"predicted_step_s_{key}"), b.get(f"predicted_step_s_{key}")
+            pred = p / q if p and q and not r["mode"].endswith("(torch W)") else None
+            r[f"predicted_ratio_{key}"] = pred
+            cells.append(
+                f"{pred:6.2f} {(pred / r['ratio'] - 1) * 100:+4.0f}%" if pred else f"{'-':>6} {'-':>5}"
+            )
+        lines.append(
+            f"{r['schedule']:24} {r['mode']:15} {r['step_s']:7.3f} {r['ratio']:7.2f} {cells[0]} {cells[1]} "
+            f"{r['runs_per_microbatch']:7.1f} {r['syncs_per_rank']:5d}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in MODES if m != "none"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j in range(len(SCHEDULES))]
+        measured = [
+            next(r["ratio"] for r in rows if r["schedule"] == s and r["mode"] == mode) for s in SCHEDULES
+        ]
+        ax.bar(xs, measured, width, label=f"{mode} (measured)")
+        predicted = [
+            next(r["predicted_ratio_cpu"] for r in rows if r["schedule"] == s and r["mode"] == mode)
+            for s in SCHEDULES
+        ]
+        ax.scatter(
+            [x for x, p in zip(xs, predicted, strict=True) if p],
+            [p for p in predicted if p],
+            color="black",
+            marker="_",
+            s=200,
+            zorder=3,
+        )
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(SCHEDULES))], SCHEDULES, fontsize=8)
+    ax.set_ylabel("step time / without recompute")
+    ax.set_title("Recompute cost on CPU (2 gloo ranks); black ticks: planner (CPU-calibrated)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 layers, seq 128, 3 timed steps")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.microbatches < 2:
+        parser.error(f"--microbatches must be >= 2 (2 pipeline ranks), got {args.microbatches}")
+    import torch
+
+    from pp_offload.launch import run_on_ranks
+
+    cfg = _config(args.quick)
+    began = time.perf_counter()
+    results = run_on_ranks(_worker, 2, cfg, args.microbatches, timeout=1800, op_timeout=600)
+    rows = results[0]["rows"]
+    table = _table(rows)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "hotpath_quick" if args.quick else "hotpath"
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "config": cfg,
+        "microbatches": args.microbatches,
+        "seconds": round(time.perf_counter() - began, 1),
+    }
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    _plot(rows, args.out / f"{name}.png")
+    print(f"wrote {args.out / (name + '.json')} and {name}.png")
+
+
+if __name__ == "__main__":
+    main()
