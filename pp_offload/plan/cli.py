@@ -247,7 +247,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     except PlanError as e:
         result = e.result
         if result is not None and any(c.evaluated for c in result.candidates):
-            print(_report(result, args))
+            print(_report(result, args, reason=False))  # the reason follows as the error
         print(
             "\n".join(textwrap.wrap(f"pp-offload plan: error: {e}", width=100, subsequent_indent="  ")),
             file=sys.stderr,
@@ -272,11 +272,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     return status
 
 
-def _report(result: Any, args: argparse.Namespace) -> str:
+def _report(result: Any, args: argparse.Namespace, *, reason: bool = True) -> str:
     """The whole table with ``--all``, else the answer (`pp_offload.plan.report.format_summary`)."""
     from pp_offload.plan.report import format_summary
 
-    return result.table() if args.all else format_summary(result, model=args.model)
+    return result.table() if args.all else format_summary(result, model=args.model, reason=reason)
 
 
 def _within_from_args(args: argparse.Namespace) -> int:

@@ -134,10 +134,13 @@ def recipe_yaml(result: PlanResult, candidate: Candidate | None = None, *, model
     return "\n".join(lines)
 
 
-def format_summary(result: PlanResult, *, model: str | None = None, alternatives: int = 5) -> str:
+def format_summary(
+    result: PlanResult, *, model: str | None = None, alternatives: int = 5, reason: bool = True
+) -> str:
     """The answer in a screenful: the setting, the pick with its figures, up to ``alternatives`` runners-up
     (near ties, within `NEAR_TIE` of its step time, named so), one line of why, and the recipe YAML that
-    applies the pick. When nothing fits: the closest candidates and what would fit."""
+    applies the pick. When nothing fits: the closest candidates and, with ``reason``, what would fit (the
+    command line prints that as its error instead)."""
     s, m = result.settings, result.machine
     lines = _wrap(f"pp-offload plan: {s['model']}")
     lines += _wrap(
@@ -165,7 +168,7 @@ def format_summary(result: PlanResult, *, model: str | None = None, alternatives
         )
         lines += _wrap("why: " + _why(result, best))
     else:
-        lines += _wrap(f"no recommendation: {result.reason}")
+        lines += _wrap(f"no recommendation: {result.reason}" if reason else "no recommendation: nothing fits")
     shown, twins = _alternatives(result, best, alternatives)
     if shown:
         lines.append("")
