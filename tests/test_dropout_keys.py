@@ -108,6 +108,8 @@ def test_hooks_leave_the_generator_alone_and_do_nothing_in_eval_or_outside_a_mic
     sites = key_dropout(model, keys)
     assert [s for s, _ in sites] == [0, 1, 2, 3, EMBEDDING] and unkeyed_dropout(model) == []
     assert key_dropout(model, keys) == sites  # a second install replaces the first: one seeding per call
+    layer = model.transformer.h[0]
+    assert (len(layer._forward_pre_hooks), len(layer._forward_hooks)) == (1, 1)
     x, _ = _batch(1)
     with keys.running(0):
         torch.manual_seed(123)
