@@ -21,7 +21,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MODES", "PASSES", "RecomputePlan", "parse_recompute", "recomputations"]
+__all__ = [
+    "MODES",
+    "PASSES",
+    "RECOMPUTE_FORMS",
+    "RecomputeForm",
+    "RecomputePlan",
+    "parse_recompute",
+    "recomputations",
+]
 
 MODES = ("none", "mlp", "selective", "full")
 """Per-layer modes, least recompute first: keep everything; selective recompute of the MLP block only (keep
@@ -55,6 +63,53 @@ def recomputations(kind: str, *, first_stage: bool = False) -> int:
     if kind == "F" or (kind == "I" and first_stage):
         return 0
     return 1
+
+
+@dataclass(frozen=True)
+class RecomputeForm:
+    """One way to write a recompute plan: ``form`` (``<x>`` marks a number or a mode), an ``example`` that
+    `parse_recompute` reads, and what it does."""
+
+    form: str
+    example: str
+    meaning: str
+
+
+RECOMPUTE_FORMS: tuple[RecomputeForm, ...] = (
+    RecomputeForm(
+        "none", "none", "No recompute: each layer keeps what autograd saves (`false` in the recipe)."
+    ),
+    RecomputeForm(
+        "mlp",
+        "mlp",
+        "Each layer's MLP keeps its matmul outputs and recomputes its activation function and "
+        "gated product: the op group that frees the most bytes per byte of recompute traffic.",
+    ),
+    RecomputeForm(
+        "selective",
+        "selective",
+        "Each layer keeps its matmul and attention outputs and recomputes norms, "
+        "rotary, activation functions and products.",
+    ),
+    RecomputeForm(
+        "full",
+        "full",
+        "Each layer keeps only its input and recomputes its whole forward (`true` in the recipe).",
+    ),
+    RecomputeForm(
+        "<mode>:<share>",
+        "selective:0.75",
+        "The mode on the first `ceil(share x n)` of each stage's `n` "
+        "layers (share in (0, 1]); the others keep everything.",
+    ),
+    RecomputeForm(
+        "<mode>:<share>,<mode>",
+        "selective:0.75,mlp",
+        "The first mode on that share of each stage's layers, the second on the others.",
+    ),
+)
+"""Every form `parse_recompute` reads, in one place: its error message lists them, and the recipe's config
+reference (`pp_offload.recipe.config_doc`) renders them as the table of recompute plans."""
 
 
 @dataclass(frozen=True)
@@ -121,10 +176,11 @@ def parse_recompute(value: str | RecomputePlan) -> RecomputePlan:
     mode, sep, share = text.partition(":")
     if mode not in MODES or (sep and mode == "none"):
         raise ValueError(
-            f"unknown recompute mode {value!r}; use one of {', '.join(map(repr, MODES))}, 'selective:S' for "
-            "the first share S in (0, 1] of each stage's layers, or 'selective:S,mlp' for another mode on "
-            "the others ('mlp': recompute the MLP's activation and product, 'selective': every elementwise "
-            "op, 'full': the whole layer)"
+            f"unknown recompute mode {value!r}; use one of "
+            + ", ".join(f"'{f.form}'" for f in RECOMPUTE_FORMS)
+            + " (e.g. 'selective:0.75' for the first three quarters of each stage's layers, "
+            "'selective:0.75,mlp' for another mode on the others; 'mlp': recompute the MLP's activation and "
+            "product, 'selective': every elementwise op, 'full': the whole layer)"
         )
     if not sep:
         return RecomputePlan(mode)

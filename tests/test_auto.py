@@ -110,6 +110,8 @@ def test_deterministic_and_json_round_trip() -> None:
     assert back == a
     table = a.table()
     assert a.schedule in table and "fits" in table and "yes" in table
+    assert table.splitlines()[1].startswith("reason: ")
+    assert all(len(line) <= 100 for line in table.splitlines() if line.startswith(("reason", "note")))
     assert "F ms" in meas.table()
     short = a.table(limit=3).splitlines()
     assert short[-1].strip() == f"... {len(a.candidates) - 3} more candidates"

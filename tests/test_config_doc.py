@@ -63,3 +63,28 @@ def test_rendered_page_lists_every_key_with_its_default() -> None:
     assert "| `pipeline.schedule` | `ScheduleVHalf` |" in text
     assert "| `train.betas` | `[0.9, 0.95]` |" in text
     assert "| `data.seq_len` | `128` |" in text
+
+
+def test_every_offload_policy_and_recompute_plan_form_is_listed_and_parses() -> None:
+    """The page's two value tables come from the catalogs the parsers read: each example parses, each form
+    is on the page and in the parser's error message."""
+    from pp_offload.order.offload import OFFLOAD_FORMS, resolve_offload
+    from pp_offload.parallel import checkpointing_mode
+    from pp_offload.recompute_plan import RECOMPUTE_FORMS, parse_recompute
+
+    page = (ROOT / DOC_PATH).read_text()
+    with pytest.raises(ValueError) as bad_offload:
+        resolve_offload("sometimes")
+    for form in OFFLOAD_FORMS:
+        resolve_offload(form.example)
+        assert f"| `{form.form}` | `{form.example}` |" in page
+        assert f"'{form.form}'" in str(bad_offload.value)
+    assert resolve_offload("budget:auto:0.1:sublayer").granularity == "sublayer"
+    with pytest.raises(ValueError) as bad_recompute:
+        parse_recompute("partial")
+    for form in RECOMPUTE_FORMS:
+        assert parse_recompute(form.example).label == form.example
+        if form.example != "none":
+            assert checkpointing_mode(form.example) == form.example  # what the recipe applies
+        assert f"| `{form.form}` | `{form.example}` |" in page
+        assert f"'{form.form}'" in str(bad_recompute.value)

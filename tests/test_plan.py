@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 
 import pytest
 
@@ -559,7 +560,20 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     )
     text = capsys.readouterr().out
     assert code == 0
-    assert "recommended:" in text and "ScheduleVHalf" in text and "fits" in text
+    # the answer, not the table: at most 60 lines, none over 200 characters, prose within 100
+    lines = text.splitlines()
+    assert len(lines) <= 60 and max(map(len, lines)) <= 200, text
+    assert "recommended: " in text and "alternatives (near tie: within 2%" in text and "why: " in text
+    table = text.split("alternatives (near tie: within 2% of the pick's step time):\n")[1].split("\n\n")[0]
+    rows = [line for line in table.splitlines()[1:] if re.search(r"[+-]\d+\.\d%", line)]
+    assert 1 <= len(rows) <= 5
+    for row in rows:  # a runner-up within 2% of the pick's step time is named a near tie, and only such
+        slower = float(re.search(r"([+-]\d+\.\d)%", row)[1])
+        assert slower >= 0 and (slower <= 2.0) == row.endswith("near tie"), row
+    yaml_block = text.split("(or as --set section.key=value)\n")[1].split("\n\n")[0]
+    config = _load_printed_yaml(tmp_path, yaml_block)
+    assert config.pipeline.schedule in text.split("recommended: ")[1].splitlines()[0]
+    assert config.pipeline.pp == 2 and config.pipeline.microbatches == 8 and config.data.seq_len == 512
     assert png.stat().st_size > 10_000
     data = json.loads(out.read_text())
     # 9 schedules x every default offload policy x 6 recompute plans (none, mlp, selective on half and
@@ -568,6 +582,80 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
         DEFAULT_RECOMPUTE
     )
     assert data["settings"]["pp"] == 2 and data["settings"]["gpu_memory_gib"] == 4
+
+
+def _load_printed_yaml(tmp_path, block):
+    """The planner's YAML block through the recipe's own reader and its checks that need no processes."""
+    from pp_offload.recipe import load_config
+    from pp_offload.recipe.parts import Topology, preflight
+
+    path = tmp_path / "picked.yaml"
+    path.write_text(block + "\n")
+    config = load_config(path)
+    pp, dp = config.pipeline.pp, config.pipeline.dp
+    preflight(config, Topology(rank=0, world=pp * dp, local_rank=0, pp=pp, dp=dp), num_layers=None)
+    return config
+
+
+def test_summary_yaml_applies_every_kind_of_pick(tmp_path):
+    """The recipe YAML of any candidate, not only the pick: offload policies, recompute plans, the adaptive
+    schedule's limit, torch's loop schedules, LoRA, bf16 and fp16 all load and pass the recipe's checks,
+    and say what the candidate is."""
+    from pp_offload.plan.report import format_summary, recipe_yaml
+
+    result = plan(
+        SMALL_LLAMA,
+        **QUICK,
+        num_microbatches=8,
+        pp=2,
+        dp=2,
+        lora_rank=4,
+        machine="A100",
+        gpu_memory_gib=4,
+        schedules=("ScheduleVAdaptive", "ScheduleVHalf", "ScheduleInterleaved1F1B", "Schedule1F1B"),
+        offload=("none", "budget:auto:0.1:sublayer", "selective:0.25"),
+        recompute=("none", "selective:0.5,mlp", "full"),
+        evaluate_dominated=True,
+    )
+    picked = [c for c in result.candidates if c.evaluated]
+    assert {c.offload for c in picked} >= {"none", "budget:auto:0.1:sublayer", "selective:0.25"}
+    for c in picked:
+        config = _load_printed_yaml(tmp_path, recipe_yaml(result, c, model="some/hub-id"))
+        spec = config.pipeline
+        assert (spec.schedule, spec.offload) == (c.schedule, c.offload)
+        assert config.train.activation_checkpointing == (c.recompute if c.recompute != "none" else False)
+        assert config.model.path == "some/hub-id" and config.lora.r == 4 and config.train.precision == "bf16"
+        assert config.train.global_batch_size == 16 and spec.dp == 2
+        if c.schedule == "ScheduleVAdaptive":
+            assert spec.memory_limit == pytest.approx(c.memory_limit, abs=1e-4)
+    text = format_summary(result)
+    assert text.count("near tie") <= 6 and "act units" not in text
+    fp16 = plan(
+        SMALL_LLAMA,
+        **QUICK,
+        num_microbatches=4,
+        pp=2,
+        dtype="fp16",
+        schedules=("ScheduleVHalf",),
+        offload=("none",),
+        recompute=("none",),
+    )
+    block = recipe_yaml(fp16, model="llama-3-8b")
+    assert "# train.precision: planned in fp16" in block and "# model: path:" in block
+    assert _load_printed_yaml(tmp_path, block).train.precision == "fp32"  # the recipe's default
+
+
+def test_cli_all_prints_the_ranked_table(tmp_path, capsys):
+    from pp_offload.__main__ import main
+
+    args = ["plan", "--model", str(_config_file(tmp_path)), "--seq-len", "512", "--microbatches", "8"]
+    args += ["--pp", "2", "--jobs", "1", "--quiet", "--schedules", "ScheduleVHalf", "1F1B", "--all"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "act units" in text and "assumptions:" in text and "apply it" not in text
+    rows = re.compile(r"^(\s*\d+[* ] |-+$|  #  schedule)")  # the table's own lines: as wide as the table
+    prose = [line for line in text.splitlines() if not rows.match(line)]
+    assert len(prose) > 5 and max(map(len, prose)) <= 100, "prose wrapped to 100 characters"
 
 
 def test_cli_errors(tmp_path, capsys):

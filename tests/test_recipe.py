@@ -188,9 +188,24 @@ def test_hybrid_pp2_dp2_matches_single_process_with_sharded_resume_and_export(
         output__export=False,
         **dp2,
     )
-    results = run_on_ranks(_worker, 4, [full, first, resumed, gpt2], cache, timeout=300)
+    dropout = {k: v for k, v in GPT2.items() if not k.endswith("pdrop")}  # GPT-2's default 0.1
+    keyed = _config(
+        tmp_path / "dropout",
+        model=dropout,
+        steps=2,
+        train__activation_checkpointing="mlp",
+        output__export=False,
+        **dp2,
+    )
+    results = run_on_ranks(_worker, 4, [full, first, resumed, gpt2, keyed], cache, timeout=300)
     assert all(r == results[0] for r in results)  # every rank reports the same losses
-    pipelined, head, tail, gpt2_losses = results[0]
+    pipelined, head, tail, gpt2_losses, dropout_losses = results[0]
+    # dropout masks keyed to the global microbatch (dp rank x 4 + local): one process running the same 8
+    # microbatches of one sample in order draws the same masks
+    one = _config(
+        tmp_path / "dropout_ref", model=dropout, steps=2, output__export=False, pipeline__microbatches=8
+    )
+    _matches_one_process(dropout_losses, _run(one, cache))
     reference = _run(_config(tmp_path / "reference"), cache)
     _matches_one_process(pipelined, reference)
     _close(head + tail, pipelined)
@@ -503,3 +518,34 @@ def test_unreachable_hub_fails_fast_with_the_fix(tmp_path: Path, monkeypatch: py
     check_model_sources(RecipeConfig.from_dict({"model": {"path": str(tmp_path)}}))  # local: no question
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     check_model_sources(remote)  # offline mode: the local cache decides
+
+
+def test_gpt2_default_dropout_gives_the_same_losses_on_every_schedule(tmp_path: Path, cache: str) -> None:
+    """GPT-2's default dropout (0.1 everywhere): V-Half, Interleaved1F1B with full offload, and V-ZB with
+    selective recompute give one process's losses; the masks are keyed to (seed, step, microbatch, layer),
+    not to the order each rank draws them in (`pp_offload.runtime.dropout_keys`)."""
+    dropout = {k: v for k, v in GPT2.items() if not k.endswith("pdrop")}
+    runs = [
+        _config(tmp_path / "vhalf", model=dropout, steps=2, output__export=False),
+        _config(
+            tmp_path / "loop",
+            model=dropout,
+            schedule="ScheduleInterleaved1F1B",
+            steps=2,
+            pipeline__offload="full",
+            output__export=False,
+        ),
+        _config(
+            tmp_path / "vzb",
+            model=dropout,
+            schedule="ScheduleVZB",
+            steps=2,
+            train__activation_checkpointing="selective",
+            output__export=False,
+        ),
+    ]
+    results = run_on_ranks(_worker, 2, runs, cache, timeout=240)[0]
+    reference = _run(_config(tmp_path / "one", model=dropout, steps=2, output__export=False), cache)
+    for losses in results:
+        _matches_one_process(losses, reference)
+    torch.testing.assert_close(torch.tensor([r[0] for r in results]), torch.tensor([reference[0]] * 3))

@@ -48,6 +48,8 @@ from pp_offload.order.actions import OFFLOAD, RELOAD, Action, B, Costs, F, I, W
 from pp_offload.sim import LayeredChunk, SimResult, flatten, simulate
 
 __all__ = [
+    "OFFLOAD_FORMS",
+    "OffloadForm",
     "OffloadPlan",
     "OffloadPolicy",
     "auto_from_measurements",
@@ -67,6 +69,71 @@ _CLOSE_W = "close-w"
 _SUBLAYER = "sublayer"
 _REFINE_ROUNDS = 32
 _EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class OffloadForm:
+    """One way to write an offload policy as a string: ``form`` (``<x>`` marks a number), an ``example``
+    that `resolve_offload` reads, and what it does."""
+
+    form: str
+    example: str
+    meaning: str
+
+
+OFFLOAD_FORMS: tuple[OffloadForm, ...] = (
+    OffloadForm("none", "none", "No offload (also `null` or `false`)."),
+    OffloadForm(
+        "full", "full", "Every chunk (one stage's activations of one microbatch) goes to host memory."
+    ),
+    OffloadForm(
+        "selective",
+        "selective",
+        f"A share of each rank's chunks ({_DEFAULT_SELECTIVE_FRACTION:g}), the ones "
+        "that lower the activation peak most.",
+    ),
+    OffloadForm("selective:<fraction>", "selective:0.25", "That share of each rank's chunks, in [0, 1]."),
+    OffloadForm(
+        "auto",
+        "auto",
+        "A share of the chunks from the ratio k of copy time to compute time: min(1, 1/k) "
+        "(PipeOffload's analysis).",
+    ),
+    OffloadForm(
+        "budget",
+        "budget",
+        "Layer by layer: as many of each chunk's earliest decoder layers as hide within "
+        f"{100 * _DEFAULT_MAX_SLOWDOWN:g}% step time.",
+    ),
+    OffloadForm("budget:<fraction>", "budget:0.5", "That share of each offloaded chunk's layers."),
+    OffloadForm(
+        "budget:auto:<max slowdown>",
+        "budget:auto:0.1",
+        "As many layers as fit within that step-time slowdown (0.1: 10%).",
+    ),
+    OffloadForm(
+        "budget:close-w",
+        "budget:close-w",
+        "`budget`, also on offload-aware orders: W passes moved right "
+        "after their I where that lets more layers move (zero-bubble schedules).",
+    ),
+    OffloadForm(
+        "budget:auto:<max slowdown>:close-w", "budget:auto:0.1:close-w", "The same within that slowdown."
+    ),
+    OffloadForm(
+        "<any budget form>:sublayer",
+        "budget:sublayer",
+        "Units of half a layer (its attention part, then "
+        "the rest) instead of whole layers, e.g. `budget:auto:0.1:sublayer`.",
+    ),
+)
+"""Every string form `resolve_offload` reads, in one place: its error message lists them, and the recipe's
+config reference (`pp_offload.recipe.config_doc`) renders them as the table of offload policies."""
+
+
+def _forms(*, budget: bool = False) -> str:
+    names = [f.form for f in OFFLOAD_FORMS if "budget" in f.form or not budget]
+    return ", ".join(f"'{name}'" for name in names)
 
 
 @dataclass(frozen=True)
@@ -342,10 +409,7 @@ def resolve_offload(value: Any) -> OffloadPolicy:
                     f"cannot read the fraction in offload={value!r}; write e.g. 'selective:0.25'"
                 ) from None
             return OffloadPolicy("selective", fraction=fraction)
-        raise ValueError(
-            f"unknown offload setting {value!r}; use 'none', 'full', 'selective', 'selective:<fraction>', "
-            f"'auto', 'budget', 'budget:<fraction>' or 'budget:auto:<max slowdown>'"
-        )
+        raise ValueError(f"unknown offload setting {value!r}; use one of {_forms()}")
     if isinstance(value, int) and not isinstance(value, bool):
         raise TypeError(
             f"offload={value!r} is ambiguous: pass a float fraction of each rank's chunks (e.g. 0.5) or a "
@@ -394,7 +458,8 @@ def _parse_budget(value: str, tail: str) -> OffloadPolicy:
         raise ValueError(
             f"cannot read offload={value!r}; write 'budget:0.5' (share of each chunk's layers) or "
             f"'budget:auto:0.1' (as many layers as fit within a 10% slower step), optionally followed by "
-            f"':close-w' (also offload-aware orders) and/or ':sublayer' (units of half a layer)"
+            f"':close-w' (also offload-aware orders) and/or ':sublayer' (units of half a layer); the budget "
+            f"forms: {_forms(budget=True)}"
         ) from None
 
 

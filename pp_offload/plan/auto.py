@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -213,9 +214,9 @@ class AutoDecision:
             f"auto: {self.schedule} offload={self.offload}"
             + (f" memory_limit={self.memory_limit:.3f}" if self.memory_limit is not None else "")
             + (f" recompute={self.recompute}" if self.recompute != "none" else ""),
-            f"reason: {self.reason}",
+            *_wrapped(f"reason: {self.reason}"),
             f"budget per rank: {budget}",
-            *(f"note: {n}" for n in self.notes),
+            *(line for n in self.notes for line in _wrapped(f"note: {n}")),
             f"{'#':>3} {'schedule':26} {'offload':15} {'recompute':9} {'step ms':>9} {'bubble':>7} "
             f"{'peak MiB':>9} fits",
         ]
@@ -230,6 +231,11 @@ class AutoDecision:
         if len(shown) < len(self.candidates):
             lines.append(f"    ... {len(self.candidates) - len(shown)} more candidates")
         return "\n".join(lines)
+
+
+def _wrapped(text: str) -> list[str]:
+    """A line of prose as lines of at most 100 characters (the tables' rows are as wide as they are)."""
+    return textwrap.wrap(text, width=100, subsequent_indent="  ", break_on_hyphens=False) or [""]
 
 
 def choose(

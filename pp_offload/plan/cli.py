@@ -1,9 +1,10 @@
 """``pp-offload plan``: which pipeline schedule and offload policy for this model on this machine.
 
-Evaluates every schedule (ours and torch's) with every offload policy through the simulator, prints a
-ranked table (predicted step time, bubble, activation and whole memory of the fullest rank, fits or not)
-and the recommendation with its reason; ``--plot`` draws the candidates and the memory per rank,
-``--json`` writes every number.
+Evaluates every schedule (ours and torch's) with every offload policy and recompute plan through the
+simulator and prints the answer: the recommendation with its figures, up to five alternatives (near ties
+named), why, and the recipe YAML that applies it; ``--all`` prints the whole ranked table (predicted step
+time, bubble, activation and whole memory of the fullest rank, fits or not), ``--plot`` draws the
+candidates and the memory per rank, ``--json`` writes every number.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pp_offload.plan.machines import MACHINES
 from pp_offload.plan.orders import SCHEDULES
@@ -199,6 +201,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also replay offload for schedules that fit without it (slower; shows what it saves)",
     )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="print every candidate in a ranked table instead of the recommendation and a few alternatives",
+    )
     p.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: one per CPU)")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="draw the candidates to this file")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write every number to this file")
@@ -240,8 +247,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     except PlanError as e:
         result = e.result
         if result is not None and any(c.evaluated for c in result.candidates):
-            print(result.table())
-        print(f"pp-offload plan: error: {e}", file=sys.stderr)
+            print(_report(result, args, reason=False))  # the reason follows as the error
+        print(
+            "\n".join(textwrap.wrap(f"pp-offload plan: error: {e}", width=100, subsequent_indent="  ")),
+            file=sys.stderr,
+        )
         if result is None:
             return 1
         status = 1
@@ -252,7 +262,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("pp-offload plan: interrupted", file=sys.stderr)
         return 130
     else:
-        print(result.table())
+        print(_report(result, args))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result.to_dict(), indent=1))
@@ -260,6 +270,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.plot is not None:
         print(f"wrote {result.plot(args.plot)}")
     return status
+
+
+def _report(result: Any, args: argparse.Namespace, *, reason: bool = True) -> str:
+    """The whole table with ``--all``, else the answer (`pp_offload.plan.report.format_summary`)."""
+    from pp_offload.plan.report import format_summary
+
+    return result.table() if args.all else format_summary(result, model=args.model, reason=reason)
 
 
 def _within_from_args(args: argparse.Namespace) -> int:

@@ -174,7 +174,34 @@ def render() -> str:
                 f"| `{section}.{f.name}` | `{default}` | `{kind}` | {_markdown(docs.get(f.name, ''))} |"
             )
         parts.append("")
+    parts += _forms_section()
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _forms_section() -> list[str]:
+    """The value catalogs of ``pipeline.offload`` and ``train.activation_checkpointing``, from the tables
+    the parsers themselves read (`pp_offload.order.offload.OFFLOAD_FORMS`,
+    `pp_offload.recompute_plan.RECOMPUTE_FORMS`), so a form the parser learns is listed here."""
+    from pp_offload.order.offload import OFFLOAD_FORMS
+    from pp_offload.recompute_plan import RECOMPUTE_FORMS
+
+    parts = [
+        "## Offload policies (`pipeline.offload`)\n",
+        "Every value `pipeline.offload` takes with a named schedule (with `schedule: auto`, a list of them\n"
+        "is what auto may choose from). `pp-offload plan` compares them and prints the one to write.\n",
+        "| form | example | what it does |\n|---|---|---|",
+    ]
+    parts += [f"| `{f.form}` | `{f.example}` | {_markdown(f.meaning)} |" for f in OFFLOAD_FORMS]
+    parts += [
+        "",
+        "## Recompute plans (`train.activation_checkpointing`)\n",
+        "Every value `train.activation_checkpointing` takes besides `false` and `true`; modes, least\n"
+        "recompute first: `none`, `mlp`, `selective`, `full`.\n",
+        "| form | example | what it does |\n|---|---|---|",
+    ]
+    parts += [f"| `{f.form}` | `{f.example}` | {_markdown(f.meaning)} |" for f in RECOMPUTE_FORMS]
+    parts.append("")
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:

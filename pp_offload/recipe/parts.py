@@ -25,6 +25,7 @@ from pp_offload.models import ModelSplit, TokenCrossEntropy, split_model
 from pp_offload.parallel import ShardedStages
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
+from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, unkeyed_dropout
 
 __all__ = [
     "Pipeline",
@@ -317,6 +318,7 @@ class Pipeline:
     has_last: bool
     mesh: DeviceMesh
     sharded: ShardedStages | None = None
+    dropout: DropoutKeys | None = None  # the training loop sets .step (pp_offload.runtime.dropout_keys)
 
     @property
     def module(self) -> nn.Module:
@@ -592,6 +594,11 @@ def build_pipeline(
         enable_offload(schedule, spec.offload, **figures, device=device)
     if sharded is not None:
         sharded.attach(schedule)
+    dropout = key_pipeline_dropout(
+        split, schedule, seed=config.train.seed, offset=topo.dp_rank * spec.microbatches
+    )
+    if topo.rank == 0 and (unkeyed := unkeyed_dropout(model)):
+        print(f"dropout: {', '.join(unkeyed)} not keyed: their masks depend on the schedule", flush=True)
     return Pipeline(
         info=info,
         split=split,
@@ -602,4 +609,5 @@ def build_pipeline(
         has_last=num_stages - 1 in split.stages,
         mesh=mesh,
         sharded=sharded,
+        dropout=dropout,
     )

@@ -68,6 +68,7 @@ from pp_offload.recipe.parts import (
 )
 from pp_offload.recipe.timeline import StepTimeline
 from pp_offload.runtime import compat
+from pp_offload.runtime.dropout_keys import DropoutKeys, key_dropout
 
 __all__ = ["RunResult", "run"]
 
@@ -198,11 +199,13 @@ def _autocast(config: RecipeConfig, device: torch.device, topo: Topology) -> Any
 class _Reference:
     """One process, no pipeline: the unsplit model on the same microbatches, summed like the pipeline."""
 
-    def __init__(self, model: nn.Module, microbatches: int) -> None:
+    def __init__(self, model: nn.Module, microbatches: int, seed: int = 0) -> None:
         self.model = model
         self.microbatches = microbatches
         aux = router_aux_of(model)  # weighed as the pipeline weighs it: the mean over the microbatches
         self.loss_fn = TokenCrossEntropy(None if aux is None else aux.coef / microbatches)
+        self.dropout = DropoutKeys(seed=seed)  # the pipeline's masks: keyed by step, microbatch and layer
+        key_dropout(model, self.dropout)
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         total = 0.0
@@ -210,11 +213,12 @@ class _Reference:
             *(batch[k].tensor_split(self.microbatches) for k in ("input_ids", "labels", "position_ids")),
             strict=True,
         )
-        for input_ids, labels, position_ids in chunks:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-            aux = out.aux_loss if self.loss_fn.router_aux_weight is not None else None
-            loss = self.loss_fn(out.logits if aux is None else (out.logits, aux), labels)
-            loss.backward()
+        for j, (input_ids, labels, position_ids) in enumerate(chunks):
+            with self.dropout.running(j):
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+                aux = out.aux_loss if self.loss_fn.router_aux_weight is not None else None
+                loss = self.loss_fn(out.logits if aux is None else (out.logits, aux), labels)
+                loss.backward()
             total += float(loss.detach())
         return total
 
@@ -349,7 +353,7 @@ def _run(
             )
         model.to(device).train()
         module = unwrap_peft(model)  # with LoRA: the model under the PeftModel, named as the stages are
-        reference = _Reference(module, config.pipeline.microbatches)
+        reference = _Reference(module, config.pipeline.microbatches, seed=config.train.seed)
     train = config.train
     trainable = [p for p in module.parameters() if p.requires_grad]  # with LoRA: the adapters only
     optimizer = torch.optim.AdamW(
@@ -388,6 +392,8 @@ def _run(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
+            keys = pipeline.dropout if pipeline is not None else reference.dropout
+            keys.step = step  # dropout masks keyed to the step, not to the generator's history
             began = time.perf_counter()
             with _autocast(config, device, topo):
                 if pipeline is not None:
