@@ -77,7 +77,9 @@ def test_the_issue_cases_and_the_range_and_choice_tables() -> None:
         load_config(None, ["train.eval_every=null"])
     with pytest.raises(ValueError, match=r"^train\.precision='fp16' must be one of fp32, bf16$"):
         load_config(None, ["train.precision=fp16"])
-    with pytest.raises(ValueError, match=r"^pipeline\.memory_limit=2 must be a number in \(0, 1\], or null$"):
+    with pytest.raises(
+        ValueError, match=r"^pipeline\.memory_limit=2 must be a number in \(0, 1\], or null; a fraction"
+    ):
         load_config(None, ["pipeline.memory_limit=2"])
     with pytest.raises(
         ValueError, match=r"^output\.metrics=\['csv', 'wandb'\] must be a list of: csv, tensorboard"

@@ -44,8 +44,13 @@ class ModelConfig:
         config: Instead of ``path``: a transformers config as a mapping with ``model_type`` (a randomly
             initialised model, e.g. the embedded tiny Llama). Entries can be overridden one by one:
             ``--set model.config.num_hidden_layers=4``.
-        tokenizer: A hub id or local directory of the tokenizer. Default: ``path``; with ``config`` and the
-            embedded data, the tokenizer trained on the spot on the embedded corpus.
+        tokenizer: A hub id or local directory of the tokenizer; or ``train``: a byte-level BPE trained on
+            the training data (``data.path``) before the run, for a model built from ``config``, saved in
+            ``<output.dir>/tokenizer`` (reused by a resumed run) and with the export. Default: ``path``;
+            with ``config`` and the embedded data, the tokenizer trained on the embedded corpus.
+        tokenizer_vocab_size: ``tokenizer: train`` only: the most tokens its vocabulary holds (fewer when
+            the data offers fewer merges); a config-built model's ``vocab_size`` defaults to the
+            tokenizer's.
         attn_implementation: Passed to transformers (``sdpa``, ``eager``, ...).
         verify_split: Prove the pipeline split before training (default true): the model's own config,
             shrunken, is run unsplit and as chained stages, and a family whose stages would compute
@@ -57,6 +62,7 @@ class ModelConfig:
     path: str | None = None
     config: dict[str, Any] | None = None
     tokenizer: str | None = None
+    tokenizer_vocab_size: int = 8192
     attn_implementation: str = "sdpa"
     verify_split: bool = True
 

@@ -152,8 +152,8 @@ def _data(config: RecipeConfig, topo: Topology, cache: Path) -> _Data:
     tokenizer_dir = None
     if data.path == "embedded":
         tokenizer_dir = embedded_assets(embedded_dir(cache)).tokenizer_dir
-    tokenizer = load_tokenizer(config, tokenizer_dir)
     examples = load_examples(data, cache_dir=cache)
+    tokenizer = load_tokenizer(config, tokenizer_dir, examples)  # model.tokenizer: train learns the examples
     packed = pack_examples(examples, tokenizer, data)
     batches = PackedBatches(
         packed, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=config.train.seed
@@ -288,6 +288,7 @@ def run(
     config: RecipeConfig, *, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
 ) -> RunResult:
     """Run the recipe on this process (call it on every rank of a torchrun / accelerate launch job)."""
+    config = config.validated()  # a config built in Python gets the checks a YAML one had
     _check(config)
     topo = topology(config)
     device = device_for(config, topo)
