@@ -119,6 +119,9 @@ def _config(tmp_path: Path) -> Path:
         (["model.config.n_layer=3"], r"use at most 1 pipeline rank .*: with 4 processes, --dp 4 "),
         (["pipeline.schedule=ScheduleVHlaf"], r"did you mean 'ScheduleVHalf'\?"),
         (["data.chat_template=true"], r"model\.tokenizer=train: chat_template .* use prompt_template"),
+        (["model.config.n_head=3"], r"cannot build a 'gpt2' model .*divisible by num_heads"),
+        (["model.config.model_type=bert"], r"BertLMHeadModel \(model_type='bert'\) cannot be split"),
+        (["model.config.model_type=gpt3"], r"model\.config \(model_type='gpt3'\): Unrecognized model"),
     ],
 )
 def test_pp_offload_train_stops_a_bad_config_in_one_line_before_any_rank_starts(
@@ -142,3 +145,20 @@ def test_pp_offload_train_check_trains_the_tokenizer_the_ranks_then_reuse(
     assert pp_offload_main(["train", "--nproc-per-node", "2", "--config", str(config), "--check"]) == 0
     assert "configuration ok for 2 process(es)" in capsys.readouterr().out
     assert (tmp_path / "run" / "tokenizer" / "trained_on.json").is_file()
+
+
+def test_a_configuration_error_is_printed_once_per_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 prints at once; another rank first waits (the launcher ends it there when rank 0 found the
+    same error), then prints, naming itself: an error only it found is not lost."""
+    from pp_offload.recipe import cli
+
+    waited: list[float] = []
+    monkeypatch.setattr(cli.time, "sleep", waited.append)
+    cli.report_configuration_error(ConfigError("train.steps=0 must be an int >= 1"), "0")
+    assert capsys.readouterr().err == "finetune: configuration error: train.steps=0 must be an int >= 1\n"
+    assert not waited
+    cli.report_configuration_error(ConfigError("rank 3 needs its own GPU"), "3")
+    assert capsys.readouterr().err == "finetune: rank 3: configuration error: rank 3 needs its own GPU\n"
+    assert waited == [cli.PEER_REPORT_DELAY_S]

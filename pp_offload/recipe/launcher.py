@@ -53,6 +53,7 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
     Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`)."""
     from pp_offload.data import embedded_assets, embedded_dir, load_examples
     from pp_offload.recipe.parts import (
+        check_config_model,
         check_model_sources,
         load_tokenizer,
         num_layers_of,
@@ -92,7 +93,8 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
         embedded = None
         if config.data.path == "embedded":
             embedded = embedded_assets(embedded_dir(cache)).tokenizer_dir
-        load_tokenizer(config, embedded, examples)
+        tokenizer = load_tokenizer(config, embedded, examples)
+        check_config_model(config, tokenizer, pipelined=topo.distributed)
         if config.data.has_eval:
             from pp_offload.data import DataError
 

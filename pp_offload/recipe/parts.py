@@ -30,6 +30,7 @@ __all__ = [
     "Pipeline",
     "Topology",
     "build_pipeline",
+    "check_config_model",
     "check_model_sources",
     "device_for",
     "init_process_group",
@@ -358,23 +359,78 @@ def _with_lora(config: RecipeConfig, model: nn.Module) -> nn.Module:
 
 
 def _load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     spec = config.model
     torch.manual_seed(config.train.seed)
     kwargs = {"attn_implementation": spec.attn_implementation, "dtype": torch.float32}
     if spec.path is not None:
         with _missing_from_cache("model.path", spec.path):
             return _load_pretrained(spec.path, kwargs, partial)
-    values = dict(spec.config)
-    model_type = values.pop("model_type", None)
-    if model_type is None:
-        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
+    return _config_model(config, tokenizer, kwargs)
+
+
+def check_config_model(config: RecipeConfig, tokenizer: Any, *, pipelined: bool) -> None:
+    """Build ``model.config``'s model on the meta device (no memory, no time): entries that its config
+    class accepts but its modules refuse (``n_embd`` not divisible by ``n_head``), or a family that
+    cannot be pipelined, fail here as a configuration error instead of on every rank."""
+    if config.model.config is None:
+        return
+    from transformers.utils import logging as hf_logging
+
+    from pp_offload.models.families import family_of
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a trial build: its notes would come again from every rank
+    try:
+        with torch.device("meta"):
+            model = _config_model(
+                config, tokenizer, {"attn_implementation": config.model.attn_implementation}
+            )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if pipelined:
+        family_of(model)  # UnsupportedModelError: a configuration error
+
+
+def _config_model(config: RecipeConfig, tokenizer: Any, kwargs: dict[str, Any]) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    values = dict(config.model.config or {})
     values.setdefault("vocab_size", len(tokenizer))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         values.setdefault(key, getattr(tokenizer, key, None))
-    hf_config = AutoConfig.for_model(model_type, **values)
-    return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    hf_config = _hf_config(values)
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    except (ValueError, TypeError, AssertionError) as error:
+        if isinstance(error, ValueError) and "Unrecognized configuration class" in str(error):
+            raise ConfigError(
+                f"model.config: model_type={hf_config.model_type!r} has no causal LM in transformers"
+            ) from error
+        raise ConfigError(
+            f"model.config: transformers cannot build a {hf_config.model_type!r} model from these entries: "
+            f"{_short(error)}"
+        ) from error
+
+
+def _hf_config(values: dict[str, Any]) -> Any:
+    """The transformers config of ``model.config``'s entries; a missing or unknown ``model_type`` or an
+    entry its config class refuses is a configuration error naming it."""
+    from transformers import AutoConfig
+
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ConfigError(f"model.config (model_type={model_type!r}): {_short(error)}") from error
+
+
+def _short(error: BaseException, limit: int = 300) -> str:
+    """A dependency's error message on one line, cut to ``limit`` characters."""
+    reason = " ".join(str(error).split()) or type(error).__name__
+    return reason if len(reason) <= limit else reason[:limit] + "..."
 
 
 def _load_pretrained(path: str, kwargs: dict[str, Any], partial: bool) -> nn.Module:
@@ -599,11 +655,8 @@ def num_layers_of(config: RecipeConfig) -> int | None:
     spec = config.model
     if spec.config is not None:
         values = dict(spec.config)
-        model_type = values.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
         values.pop("vocab_size", None)
-        hf_config = AutoConfig.for_model(model_type, **values)
+        hf_config = _hf_config(values)
     elif spec.path is not None:
         hf_config = AutoConfig.from_pretrained(spec.path)
     else:
