@@ -122,6 +122,7 @@ def _config(tmp_path: Path) -> Path:
         (["model.config.n_head=3"], r"cannot build a 'gpt2' model .*divisible by num_heads"),
         (["model.config.model_type=bert"], r"BertLMHeadModel \(model_type='bert'\) cannot be split"),
         (["model.config.model_type=gpt3"], r"model\.config \(model_type='gpt3'\): Unrecognized model"),
+        (["model.config={model_type: llama, hidden_size: 64, num_attention_heads: 3}"], r"not a multiple of"),
     ],
 )
 def test_pp_offload_train_stops_a_bad_config_in_one_line_before_any_rank_starts(

@@ -504,6 +504,8 @@ def test_unreachable_hub_fails_fast_with_the_fix(tmp_path: Path, monkeypatch: py
         ConfigError, match="model.path='org/some-model' is not a local path and the hub .* unreachable"
     ):
         check_model_sources(remote)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # what a local model dir must hold
+        (tmp_path / name).write_text("{}")
     check_model_sources(RecipeConfig.from_dict({"model": {"path": str(tmp_path)}}))  # local: no question
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     check_model_sources(remote)  # offline mode: the local cache decides

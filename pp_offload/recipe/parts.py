@@ -423,8 +423,9 @@ def _hf_config(values: dict[str, Any]) -> Any:
         raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
     try:
         return AutoConfig.for_model(model_type, **values)
-    except (ValueError, TypeError, KeyError) as error:
-        raise ConfigError(f"model.config (model_type={model_type!r}): {_short(error)}") from error
+    except Exception as error:  # ValueError, TypeError, huggingface_hub's StrictDataclassError: the entries
+        cause = error.__cause__ if isinstance(error.__cause__, (ValueError, TypeError)) else error
+        raise ConfigError(f"model.config (model_type={model_type!r}): {_short(cause)}") from error
 
 
 def _short(error: BaseException, limit: int = 300) -> str:
