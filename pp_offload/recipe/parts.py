@@ -192,7 +192,8 @@ def check_model_sources(config: RecipeConfig) -> None:
 
 
 def _looks_local(value: str) -> bool:
-    return value.startswith(("/", "./", "../", "~")) or os.sep + os.sep in value
+    """A path the user clearly meant as a directory, so a missing one is a typo, not a hub id to look up."""
+    return value.startswith(("/", "./", "../", "~"))
 
 
 def _check_model_dir(path: str, *, tokenizer_given: bool) -> None:
