@@ -2,6 +2,7 @@
 
 Commands:
   demo    train a small model with six pipeline schedules on CPU and compare them (`pp_offload.demo`)
+  train   check a recipe config, then fine-tune with torchrun on this machine (`pp_offload.recipe.launcher`)
   plan    choose a schedule and an offload policy for a model on a machine (`pp_offload.plan`)
   families  which Hugging Face causal LMs split exactly (`pp_offload.families_cli`)
 """
@@ -18,6 +19,7 @@ from pp_offload import __version__
 def _parser() -> argparse.ArgumentParser:
     from pp_offload import demo, families_cli
     from pp_offload.plan import cli as plan_cli
+    from pp_offload.recipe import launcher
 
     parser = argparse.ArgumentParser(
         prog="pp-offload",
@@ -28,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     # each command's module has the same face: DESCRIPTION, EPILOG, add_arguments, run_from_args
     for name, module, summary in (
         ("demo", demo, "train a small model with six pipeline schedules on CPU and compare them (~1 minute)"),
+        (
+            "train",
+            launcher,
+            "check a recipe config, then fine-tune with torchrun on this machine (one line per config error)",
+        ),
         (
             "plan",
             plan_cli,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["partial_dir", "publish_dir", "write_text_atomic"]
+__all__ = ["partial_dir", "publish_dir", "publish_once", "write_text_atomic"]
 
 
 def partial_dir(final: Path) -> Path:
@@ -33,6 +35,26 @@ def publish_dir(partial: Path, final: Path) -> None:
     os.replace(partial, final)
     if old.exists():
         shutil.rmtree(old)
+
+
+def publish_once(tmp: Path, final: Path, is_complete: Callable[[Path], bool]) -> None:
+    """Rename the finished build ``tmp`` to ``final``, for builds that several processes may make at once
+    with the same content (each rank building a shared cache before any process group exists): losing the
+    race to an identical build is success. Whatever else sits under ``final`` (``is_complete`` says no: a
+    broken or outdated build) is first moved aside atomically, so no reader sees it half-deleted."""
+    if final.exists() and not is_complete(final):
+        trash = final.with_name(f".{final.name}.stale-{uuid.uuid4().hex}")
+        try:
+            os.rename(final, trash)
+        except FileNotFoundError:  # another process moved it first
+            pass
+        shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        # The target exists and is not empty: another process published first. Its build is identical.
+        if not is_complete(final):
+            raise
 
 
 def write_text_atomic(path: Path, text: str) -> None:

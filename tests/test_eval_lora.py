@@ -185,11 +185,17 @@ def _check_exports(out: Path) -> None:
     load({"model": adapters}, checkpoint_id=str(out / "checkpoints" / "step_00000002"))
     trained.get_base_model().load_state_dict(adapters, strict=False)
     loaded = PeftModel.from_pretrained(copy.deepcopy(base), out / "export").eval()
+    # the base was built from model.config: the export carries it, and the adapter names it
+    exported_base = AutoModelForCausalLM.from_pretrained(out / "export" / "base").eval()
+    adapter_config = json.loads((out / "export" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((out / "export" / "base").resolve())
+    rebuilt = PeftModel.from_pretrained(exported_base, out / "export").eval()
     ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = trained(input_ids=ids).logits
         assert not torch.allclose(base(ids).logits, want)  # the adapters were trained
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=0, atol=0)
+        torch.testing.assert_close(rebuilt(input_ids=ids).logits, want, rtol=0, atol=0)
         torch.testing.assert_close(merged(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 

@@ -382,7 +382,11 @@ def _preflight(config: dict, pp: int = 2, layers: int | None = 4) -> None:
             4,
             "pipeline.offload cannot be set with pipeline.schedule=auto",
         ),
-        ({"pipeline__schedule": "auto", "pipeline__memory_limit": 1.5}, 4, r"memory_limit=1.5: a fraction"),
+        (
+            {"pipeline__schedule": "auto", "pipeline__memory_limit": 1.5},
+            4,
+            r"memory_limit=1.5 must be a number in \(0, 1\], or null; a fraction",
+        ),
         (
             {"pipeline__activation_budget_gib": 1.0},
             4,
@@ -491,7 +495,7 @@ def test_set_prompt_formatting_of_the_data_section() -> None:
     assert load_config(None, [*sft, "data.chat_template=true"]).data.chat_template is True
     with pytest.raises(ConfigError, match="data: prompt_template formats the prompt .* needs prompt_column"):
         load_config(None, ["data.prompt_template='{prompt}'"])
-    with pytest.raises(ConfigError, match="data: prompt_template must be a string.*quote"):
+    with pytest.raises(ConfigError, match="data.prompt_template=.* must be a string.*quote"):
         load_config(None, [*sft, "data.prompt_template={prompt}"])
 
 
@@ -515,6 +519,8 @@ def test_unreachable_hub_fails_fast_with_the_fix(tmp_path: Path, monkeypatch: py
         ConfigError, match="model.path='org/some-model' is not a local path and the hub .* unreachable"
     ):
         check_model_sources(remote)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):  # what a local model dir must hold
+        (tmp_path / name).write_text("{}")
     check_model_sources(RecipeConfig.from_dict({"model": {"path": str(tmp_path)}}))  # local: no question
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     check_model_sources(remote)  # offline mode: the local cache decides

@@ -68,9 +68,16 @@ def test_an_unsupported_model_is_a_configuration_error_without_traceback(
 
 
 def test_too_few_layers_fix_depends_on_the_placement() -> None:
-    assert _fewer_stages_fix(schedule_info("ScheduleVHalf"), 3).startswith("use at most 1 pipeline rank (a V")
-    assert "stages_per_rank" in _fewer_stages_fix(schedule_info("ScheduleInterleaved1F1B"), 3)
-    assert _fewer_stages_fix(schedule_info("Schedule1F1B"), 3).startswith("use at most 3 pipeline ranks")
+    v_half = schedule_info("ScheduleVHalf")
+    assert _fewer_stages_fix(v_half, 3, 4) == (
+        "use at most 1 pipeline rank (a V schedule holds 2 stages per rank): with 4 processes, --dp 4 "
+        "(pipeline.dp=4: 1 pipeline rank x 4 data-parallel replicas); or a model with more layers"
+    )
+    assert "--dp 2 (pipeline.dp=2: 2 pipeline ranks x 2" in _fewer_stages_fix(v_half, 6, 4)  # 3 ranks: no
+    assert "stages_per_rank" in _fewer_stages_fix(schedule_info("ScheduleInterleaved1F1B"), 3, 4)
+    assert _fewer_stages_fix(schedule_info("Schedule1F1B"), 3, 4).startswith(
+        "use at most 3 pipeline ranks (one stage each): with 4 processes, --dp 2"
+    )
 
 
 def test_a_misspelt_schedule_name_gets_the_closest_one() -> None:

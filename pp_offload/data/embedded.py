@@ -21,23 +21,18 @@ import re
 import shutil
 import tempfile
 import textwrap
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pp_offload.data.errors import DataError
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+from pp_offload.data.tokenizer import EOS_TOKEN, train_tokenizer
+from pp_offload.fsutil import publish_once
 
 #: Bump when the corpus splitting or the tokenizer recipe changes: old builds are then ignored, not reused.
 FORMAT_VERSION = 2
 #: Every HELDOUT_EVERY-th document (spread over all topics) goes to the ``validation`` split, not ``train``:
 #: the main job's evaluation must score text the model never trained on.
 HELDOUT_EVERY = 20
-#: The one special token: end of document, and also bos/unk/pad (as GPT-2 does), so nothing else is reserved.
-EOS_TOKEN = "<|endoftext|>"
 #: Paragraphs shorter than this (headings, underlines, one-line code fragments) are dropped: too short to
 #: learn from, they would mostly be document boundaries.
 MIN_DOC_CHARS = 64
@@ -120,7 +115,7 @@ def embedded_assets(out_dir: str | os.PathLike, *, vocab_size: int = 2048) -> Em
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; the published cache is shared like any other.
             _build(tmp, documents, vocab_size, identity)
-            _publish(tmp, final, identity)
+            publish_once(tmp, final, lambda path: _is_complete(path, identity))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return EmbeddedAssets(
@@ -158,52 +153,3 @@ def _build(tmp: Path, documents: list[tuple[str, str]], vocab_size: int, identit
 
     stamp = {**identity, "documents": len(documents), "tokenizers": tokenizers.__version__}
     (tmp / _STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
-
-
-def _publish(tmp: Path, final: Path, identity: dict) -> None:
-    """Rename the finished build into place; losing the race to an identical build is success."""
-    if final.exists() and not _is_complete(final, identity):
-        # Something else sits under our name (a hand-edited or broken build). Move it aside atomically so no
-        # reader sees it half-deleted, then delete it; if another process moved it first, that is fine too.
-        trash = final.with_name(f".{final.name}.stale-{uuid.uuid4().hex}")
-        try:
-            os.rename(final, trash)
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(trash, ignore_errors=True)
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        # The target exists and is not empty: another process published first. Its build is identical.
-        if not _is_complete(final, identity):
-            raise
-
-
-def train_tokenizer(texts: list[str], *, vocab_size: int) -> PreTrainedTokenizerFast:
-    """A GPT-2 style byte-level BPE tokenizer trained on ``texts``: any string encodes and decodes losslessly.
-
-    ``<|endoftext|>`` is eos, bos, unk and pad (byte-level BPE never needs unk; pad = eos lets padding
-    collators work, and packing never pads).
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=EOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        unk_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-    )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "LoraError",
     "adapter_state",
     "apply_lora",
+    "base_state",
     "default_target_modules",
     "export_adapter",
     "init_adapters",
@@ -162,9 +164,39 @@ def apply_lora(
                 f"projections are {available}"
             )
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=targets, task_type="CAUSAL_LM"
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=float(dropout),
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        fan_in_fan_out=_input_major(model, targets),
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft's PeftModel.__init__ reads ``model.is_gradient_checkpointing`` (peft 0.21), which transformers
+        # 5 deprecates with a FutureWarning on every call; nothing a caller passes avoids that read
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        return get_peft_model(model, config)
+
+
+def _input_major(model: nn.Module, targets: Sequence[str]) -> bool:
+    """Whether the targeted projections store their weight input-major (GPT-2's ``Conv1D``): peft's
+    ``fan_in_fan_out``. peft would find out itself, with a warning per layer type; a mix of both kinds
+    cannot be served by one flag."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = {
+        isinstance(module, Conv1D)
+        for name, module in model.named_modules()
+        if isinstance(module, _linear_types()) and any(name == t or name.endswith(f".{t}") for t in targets)
+    }
+    if len(kinds) > 1:
+        raise LoraError(
+            f"lora.target_modules {list(targets)} mix Conv1D and Linear projections, which need different "
+            "peft fan_in_fan_out settings: target one kind"
+        )
+    return kinds == {True}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -190,9 +222,12 @@ def export_adapter(
     *,
     group: dist.ProcessGroup | None = None,
     tokenizer: Any = None,
+    base_model: str | None = None,
 ) -> Path | None:
     """Write the adapter of a pipelined ``PeftModel`` in peft's format (``adapter_config.json`` and
     ``adapter_model.safetensors``), loadable by ``PeftModel.from_pretrained(base, out_dir)``.
+    ``base_model``: what the adapter config records as ``base_model_name_or_path`` (default: peft's, the
+    name the base model was loaded from).
 
     ``module`` is this rank's split module (`ModelSplit.module`); call on every rank of ``group`` (the
     pipeline ranks; ``None``: the default group, or one process). Every rank's adapter tensors are gathered
@@ -219,6 +254,8 @@ def export_adapter(
         missing = sorted(expected - set(state))
         if missing:
             raise LoraError(f"adapter export: no rank holds {missing[:3]} ({len(missing)} missing)")
+        if base_model is not None:
+            peft_model.peft_config[_ADAPTER].base_model_name_or_path = base_model
         peft_model.save_pretrained(str(out), state_dict={_PEFT_PREFIX + k: v for k, v in state.items()})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(out))
@@ -233,25 +270,41 @@ def merged_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
 
     The merge is peft's: W + scaling * (B @ A), transposed for layers stored input-major (GPT-2's Conv1D).
     """
+    return _plain_state(module, state, merge=True)
+
+
+def base_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (whole tensors of ``module``, peft names) without the adapters, under the plain
+    transformers names: the frozen base model the adapter was trained on, as ``from_pretrained`` loads it
+    (what ``PeftModel.from_pretrained`` needs for a base model that exists nowhere else, one built from
+    its config)."""
+    return _plain_state(module, state, merge=False)
+
+
+def _plain_state(
+    module: nn.Module, state: dict[str, torch.Tensor], *, merge: bool
+) -> dict[str, torch.Tensor]:
     from peft.tuners.lora import LoraLayer
 
-    merged = dict(state)
+    plain = dict(state)
     for prefix, layer in module.named_modules():
         if not isinstance(layer, LoraLayer):
             continue
         if _ADAPTER not in layer.lora_A:
             raise LoraError(f"{prefix}: expected peft's {_ADAPTER!r} adapter, found {list(layer.lora_A)}")
-        base = merged.pop(f"{prefix}.base_layer.weight")
-        a = merged.pop(f"{prefix}.lora_A.{_ADAPTER}.weight")
-        b = merged.pop(f"{prefix}.lora_B.{_ADAPTER}.weight")
-        delta = (b.float() @ a.float()) * float(layer.scaling[_ADAPTER])
-        if getattr(layer, "fan_in_fan_out", False):
-            delta = delta.T
-        merged[f"{prefix}.weight"] = (base.float() + delta).to(base.dtype)
-        bias = merged.pop(f"{prefix}.base_layer.bias", None)
+        base = plain.pop(f"{prefix}.base_layer.weight")
+        a = plain.pop(f"{prefix}.lora_A.{_ADAPTER}.weight")
+        b = plain.pop(f"{prefix}.lora_B.{_ADAPTER}.weight")
+        if merge:
+            delta = (b.float() @ a.float()) * float(layer.scaling[_ADAPTER])
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.T
+            base = (base.float() + delta).to(base.dtype)
+        plain[f"{prefix}.weight"] = base
+        bias = plain.pop(f"{prefix}.base_layer.bias", None)
         if bias is not None:
-            merged[f"{prefix}.bias"] = bias
-    leftover = [name for name in merged if ".lora_" in name or ".base_layer." in name]
+            plain[f"{prefix}.bias"] = bias
+    leftover = [name for name in plain if ".lora_" in name or ".base_layer." in name]
     if leftover:
-        raise LoraError(f"merged export: unmerged LoRA tensors left: {leftover[:3]}")
-    return merged
+        raise LoraError(f"{'merged' if merge else 'base'} export: unmerged LoRA tensors left: {leftover[:3]}")
+    return plain

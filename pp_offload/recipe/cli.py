@@ -15,13 +15,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 
+from pp_offload.data import DataError
 from pp_offload.models.families import UnsupportedModelError
-from pp_offload.recipe.config import ConfigError, load_config
+from pp_offload.recipe.config import ConfigError, RecipeConfig, load_config
 
-__all__ = ["failure_hint", "main", "parser"]
+__all__ = [
+    "CONFIGURATION_ERRORS",
+    "add_recipe_arguments",
+    "config_from_args",
+    "failure_hint",
+    "main",
+    "parser",
+    "recipe_argv",
+    "report_configuration_error",
+]
 
 OUT_OF_MEMORY_HINT = (
     "out of memory. Each of these lowers a rank's peak: pipeline.offload=full (saved activations to host "
@@ -53,6 +64,12 @@ def parser() -> argparse.ArgumentParser:
         epilog="Example: torchrun --nproc-per-node 2 recipes/finetune.py "
         "--config recipes/configs/tiny_llama.yaml --set train.steps=20 --set pipeline.schedule=ScheduleVMin",
     )
+    add_recipe_arguments(p)
+    return p
+
+
+def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
+    """The recipe's options (shared by ``recipes/finetune.py`` and ``pp-offload train``)."""
     p.add_argument("--config", help="YAML recipe config (sections model, data, pipeline, train, output)")
     p.add_argument(
         "--set",
@@ -74,7 +91,54 @@ def parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from the latest checkpoint in the output dir"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    return p
+
+
+def recipe_argv(args: argparse.Namespace) -> list[str]:
+    """The recipe's command line for the options in ``args`` (what `add_recipe_arguments` parsed)."""
+    argv = [] if args.config is None else ["--config", args.config]
+    for item in args.overrides:
+        argv += ["--set", item]
+    if args.output_dir:
+        argv += ["--output-dir", args.output_dir]
+    if args.dp is not None:
+        argv += ["--dp", str(args.dp)]
+    argv += ["--resume"] * bool(args.resume) + ["--no-progress"] * bool(args.no_progress)
+    return argv
+
+
+def config_from_args(args: argparse.Namespace) -> RecipeConfig:
+    """The config of ``--config`` with every ``--set`` and the shortcuts applied (raises `ConfigError`)."""
+    overrides = list(args.overrides)
+    if args.output_dir:
+        overrides.append(f"output.dir={args.output_dir}")
+    if args.resume:
+        overrides.append("output.resume=true")
+    if args.dp is not None:
+        overrides.append(f"pipeline.dp={args.dp}")
+    return load_config(args.config, overrides)
+
+
+#: Errors found before training that a user fixes in the config or the data: one line, no traceback.
+CONFIGURATION_ERRORS = (ConfigError, DataError, UnsupportedModelError)
+#: How long a rank other than 0 waits before reporting a configuration error itself (see
+#: `report_configuration_error`).
+PEER_REPORT_DELAY_S = 10.0
+
+
+def report_configuration_error(error: BaseException, rank: str) -> None:
+    """One line on stderr, ``finetune: configuration error: ...``, printed once per job.
+
+    Every rank checks the same config, so rank 0 prints and the others stay silent. But a launcher stops
+    every rank as soon as one exits: a rank that found the error first and exited at once could get rank 0
+    killed before it printed. So the other ranks wait `PEER_REPORT_DELAY_S` first; when rank 0 found the
+    same error, the launcher ends them during that wait, silently. When it did not (an error only some
+    ranks see, such as a missing GPU), the rank prints it after the wait, naming itself."""
+    line = " ".join(str(error).split("\n"))
+    if rank == "0":
+        print(f"finetune: configuration error: {line}", file=sys.stderr, flush=True)
+        return
+    time.sleep(PEER_REPORT_DELAY_S)
+    print(f"finetune: rank {rank}: configuration error: {line}", file=sys.stderr, flush=True)
 
 
 def failure_hint(error: BaseException) -> str | None:
@@ -98,22 +162,14 @@ def failure_hint(error: BaseException) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    overrides = list(args.overrides)
-    if args.output_dir:
-        overrides.append(f"output.dir={args.output_dir}")
-    if args.resume:
-        overrides.append("output.resume=true")
-    if args.dp is not None:
-        overrides.append(f"pipeline.dp={args.dp}")
     rank = os.environ.get("RANK", "0")
     try:
-        config = load_config(args.config, overrides)
+        config = config_from_args(args)
         from pp_offload.recipe.train import run
 
         result = run(config, progress=not args.no_progress)
-    except (ConfigError, UnsupportedModelError) as error:
-        if rank == "0":
-            print(f"finetune: configuration error: {error}", file=sys.stderr)
+    except CONFIGURATION_ERRORS as error:
+        report_configuration_error(error, rank)
         return 2
     except Exception as error:
         hint = failure_hint(error)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pp_offload.data import DataConfig, DataError
+from pp_offload.recipe.config_types import ConfigTypeError, check_section
 
 __all__ = [
     "ConfigError",
@@ -43,8 +44,13 @@ class ModelConfig:
         config: Instead of ``path``: a transformers config as a mapping with ``model_type`` (a randomly
             initialised model, e.g. the embedded tiny Llama). Entries can be overridden one by one:
             ``--set model.config.num_hidden_layers=4``.
-        tokenizer: A hub id or local directory of the tokenizer. Default: ``path``; with ``config`` and the
-            embedded data, the tokenizer trained on the spot on the embedded corpus.
+        tokenizer: A hub id or local directory of the tokenizer; or ``train``: a byte-level BPE trained on
+            the training data (``data.path``) before the run, for a model built from ``config``, saved in
+            ``<output.dir>/tokenizer`` (reused by a resumed run) and with the export. Default: ``path``;
+            with ``config`` and the embedded data, the tokenizer trained on the embedded corpus.
+        tokenizer_vocab_size: ``tokenizer: train`` only: the most tokens its vocabulary holds (fewer when
+            the data offers fewer merges); a config-built model's ``vocab_size`` defaults to the
+            tokenizer's.
         attn_implementation: Passed to transformers (``sdpa``, ``eager``, ...).
         verify_split: Prove the pipeline split before training (default true): the model's own config,
             shrunken, is run unsplit and as chained stages, and a family whose stages would compute
@@ -56,6 +62,7 @@ class ModelConfig:
     path: str | None = None
     config: dict[str, Any] | None = None
     tokenizer: str | None = None
+    tokenizer_vocab_size: int = 8192
     attn_implementation: str = "sdpa"
     verify_split: bool = True
 
@@ -239,6 +246,11 @@ class RecipeConfig:
             del data["lora"]
         return data
 
+    def validated(self) -> RecipeConfig:
+        """This config read back through `from_dict`: every value checked against its key's type and
+        range, as a config read from YAML is (for a config built or changed in Python)."""
+        return _build(self.to_dict(), "defaults")
+
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "config") -> RecipeConfig:
         """Build and validate a config from nested dicts (as read from YAML)."""
@@ -283,6 +295,10 @@ def _build(data: dict[str, Any], where: str) -> RecipeConfig:
             if key not in names:
                 raise ConfigError(f"{where}: unknown key {section}.{key}{_closest(key, names)}")
         try:
+            values = check_section(cls, section, values)
+        except ConfigTypeError as error:
+            raise ConfigError(f"{_prefix(where)}{error}") from None
+        try:
             sections[section] = cls(**values)
         except DataError as error:  # DataConfig's own checks: a config error like any other, no traceback
             raise ConfigError(f"{where}: {section}: {error}") from error
@@ -292,10 +308,43 @@ def _build(data: dict[str, Any], where: str) -> RecipeConfig:
     return config
 
 
-def _parse_value(text: str) -> Any:
+def _prefix(where: str) -> str:
+    return "" if where == "defaults" else f"{where}: "
+
+
+def _yaml_loader() -> type:
+    """PyYAML's safe loader, reading numbers as YAML 1.2 does.
+
+    PyYAML implements YAML 1.1, whose floats need a dot and a signed exponent: ``1e20``, ``3e-4`` and
+    ``1.5e3`` come back as strings, and a string reaches transformers as ``initializer_range='1e20'``
+    (inside ``model.config`` no type hint says it is a number). Every other scalar reads as before."""
+    import re
+
     import yaml
 
-    return yaml.safe_load(text)
+    class Loader(yaml.SafeLoader):
+        pass
+
+    # a copy: add_implicit_resolver would otherwise extend SafeLoader's own table
+    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
+def _yaml(text: str, what: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        reason = " ".join(str(getattr(error, "problem", None) or error).split())
+        raise ConfigError(f"{what} is not valid YAML: {reason}{where}") from None
 
 
 def load_config(
@@ -307,17 +356,16 @@ def load_config(
     value is a mapping (``model.config``, ``pipeline.costs``) can be reached into at any depth:
     ``model.config.num_hidden_layers=4`` or ``model.config.rope_scaling.factor=8`` change one entry and keep
     the others; missing entries and intermediate mappings are created. Sections and their keys stay strict:
-    an unknown one is an error naming the closest valid name.
+    an unknown one is an error naming the closest valid name. Numbers read as YAML 1.2 (``1e20`` is a
+    float), and every value is checked against its key's type (`pp_offload.recipe.config_types`).
     """
-    import yaml
-
     data: dict[str, Any] = {}
     where = "defaults"
     if path is not None:
         where = str(path)
         if not Path(path).is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = _yaml(Path(path).read_text(), where) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: the configuration must be a mapping of sections")
     for item in overrides or []:
@@ -363,4 +411,4 @@ def _apply_override(data: dict[str, Any], item: str, where: str) -> None:
                 f"mapping, so it has no sub-key {keys[depth + 1]!r}"
             )
         node = node[k]
-    node[keys[-1]] = _parse_value(value)
+    node[keys[-1]] = _yaml(value, f"override {item!r}: the value")

@@ -31,10 +31,12 @@ _HEADER = f"""# Config keys
 `{REGENERATE}`: edit the dataclasses' `Attributes:` sections, not this page. -->
 
 Every key of the recipe's YAML config, by section, with its default. Every section and key is checked: a
-typo is an error naming the closest valid key. `--set section.key=value` overrides any key (the value is
-read as YAML: `3` is an int, `[csv, tensorboard]` a list, `null` None), and a key holding a mapping
-(`model.config`, `pipeline.costs`) can be reached into at any depth, changing one entry and keeping the
-rest: `--set model.config.num_hidden_layers=4 --set model.config.rope_scaling.factor=8`.
+typo is an error naming the closest valid key, and a value of the wrong type or out of range (`null`
+included, where the key does not allow it) is an error naming the key and what it may be
+(`pp_offload/recipe/config_types.py`). `--set section.key=value` overrides any key (the value is read as
+YAML: `3` is an int, `1e-4` a float, as YAML 1.2 reads it, `[csv, tensorboard]` a list, `null` None), and
+a key holding a mapping (`model.config`, `pipeline.costs`) can be reached into at any depth, changing one
+entry and keeping the rest: `--set model.config.num_hidden_layers=4 --set model.config.rope_scaling.factor=8`.
 See [recipe.md](recipe.md) for what the recipe does with them.
 """
 

@@ -31,6 +31,7 @@ __all__ = [
     "Pipeline",
     "Topology",
     "build_pipeline",
+    "check_config_model",
     "check_model_sources",
     "device_for",
     "init_process_group",
@@ -67,10 +68,13 @@ class Topology:
         return self.world > 1
 
 
-def topology(config: RecipeConfig) -> Topology:
+def topology(config: RecipeConfig, *, world: int | None = None) -> Topology:
     """Read rank and world size from the launcher's environment (torchrun, accelerate launch) and check them
-    against the config's pipeline and data-parallel sizes."""
-    if dist.is_available() and dist.is_initialized():  # the caller made the group (tests, notebooks)
+    against the config's pipeline and data-parallel sizes. ``world``: check for that many processes
+    instead, as rank 0 (a launcher checking a config before it starts them)."""
+    if world is not None:
+        rank = 0
+    elif dist.is_available() and dist.is_initialized():  # the caller made the group (tests, notebooks)
         world, rank = dist.get_world_size(), dist.get_rank()
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -141,16 +145,44 @@ def init_process_group(config: RecipeConfig, topo: Topology, device: torch.devic
     return True
 
 
+#: Files of which at least one is in a tokenizer's directory (fast, slow and sentencepiece tokenizers).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+#: Weight files of a transformers model directory (safetensors, sharded or not, or the older .bin).
+_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json")
+#: ``model.tokenizer``'s value that trains a byte-level BPE on the training data.
+TRAIN_TOKENIZER = "train"
+
+
 def check_model_sources(config: RecipeConfig) -> None:
-    """Fail in seconds, not after transformers' half minute of retries, when ``model.path`` or
-    ``model.tokenizer`` is a hub id and the hub cannot be reached (offline mode uses the local cache)."""
+    """What ``model.path`` and ``model.tokenizer`` name must be there, checked in a second before anything
+    loads: a local directory must hold a config, weights and (unless ``model.tokenizer`` is set) a
+    tokenizer, each missing one named with the key that provides it; a hub id fails fast when the hub
+    cannot be reached (offline mode uses the local cache) instead of after transformers' half minute of
+    retries."""
     from pp_offload.hub import endpoint, hub_reachable, offline_mode
 
     spec = config.model
+    if spec.tokenizer == TRAIN_TOKENIZER and spec.path is not None:
+        raise ConfigError(
+            f"model.tokenizer=train trains a new tokenizer, whose token ids the pretrained model.path="
+            f"{spec.path!r} has never seen: use its own tokenizer (leave model.tokenizer unset), or build a "
+            "new model from model.config"
+        )
+    if spec.path is not None:
+        _check_model_dir(spec.path, tokenizer_given=spec.tokenizer is not None)
+    if spec.tokenizer not in (None, TRAIN_TOKENIZER):
+        _check_tokenizer_dir(spec.tokenizer)
     remote = [
         (key, value)
         for key, value in (("model.path", spec.path), ("model.tokenizer", spec.tokenizer))
-        if value is not None and not Path(value).exists()
+        if value is not None and value != TRAIN_TOKENIZER and not Path(value).exists()
     ]
     if remote and not offline_mode() and not hub_reachable():
         key, value = remote[0]
@@ -160,15 +192,85 @@ def check_model_sources(config: RecipeConfig) -> None:
         )
 
 
-def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None) -> Any:
-    """The tokenizer: ``model.tokenizer``, else ``model.path``, else the embedded one."""
+def _looks_local(value: str) -> bool:
+    """A path the user clearly meant as a directory, so a missing one is a typo, not a hub id to look up."""
+    return value.startswith(("/", "./", "../", "~"))
+
+
+def _check_model_dir(path: str, *, tokenizer_given: bool) -> None:
+    local = Path(path).expanduser()
+    if not local.exists():
+        if _looks_local(path):
+            raise ConfigError(f"model.path={path!r}: no such directory")
+        return  # a hub id
+    if not local.is_dir():
+        raise ConfigError(
+            f"model.path={path!r} is a file; give the model's directory (config.json, weights, tokenizer)"
+        )
+    if not (local / "config.json").is_file():
+        raise ConfigError(
+            f"model.path={path!r} holds no config.json: give a transformers model directory (as written by "
+            "save_pretrained), or build a new model from its config with model.config: {model_type: ...}"
+        )
+    if not any(next(local.glob(pattern), None) for pattern in _WEIGHT_PATTERNS):
+        raise ConfigError(
+            f"model.path={path!r} holds a config.json but no weights (model.safetensors): to train a new "
+            "model from that config, give its entries as model.config (e.g. model.config: {model_type: gpt2, "
+            "n_layer: 4}) instead of model.path, with model.tokenizer (a tokenizer directory, or train)"
+        )
+    if not tokenizer_given and not _has_tokenizer(local):
+        raise ConfigError(
+            f"model.path={path!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): set "
+            "model.tokenizer to a tokenizer's directory or hub id"
+        )
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def _check_tokenizer_dir(value: str) -> None:
+    local = Path(value).expanduser()
+    if not local.exists():
+        if _looks_local(value):
+            raise ConfigError(f"model.tokenizer={value!r}: no such directory")
+        return  # a hub id
+    if not local.is_dir() or not _has_tokenizer(local):
+        raise ConfigError(
+            f"model.tokenizer={value!r} is not a tokenizer directory (none of "
+            f"{', '.join(_TOKENIZER_FILES)}): give the directory a tokenizer's save_pretrained wrote, a hub "
+            "id, or train (a byte-level BPE trained on data.path)"
+        )
+
+
+def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None, examples: Any = None) -> Any:
+    """The tokenizer: ``model.tokenizer``, else ``model.path``, else the embedded one. With
+    ``model.tokenizer: train``, the byte-level BPE of the training ``examples``
+    (`pp_offload.data.tokenizer.trained_tokenizer`, kept in ``<output.dir>/tokenizer``)."""
     from transformers import AutoTokenizer
 
+    if config.model.tokenizer == TRAIN_TOKENIZER:
+        from pp_offload.data import DataError
+        from pp_offload.data.tokenizer import trained_tokenizer
+
+        if examples is None:
+            raise ValueError("model.tokenizer=train needs the training examples")
+        try:
+            return trained_tokenizer(
+                examples,
+                config.data,
+                config.output.dir,
+                vocab_size=config.model.tokenizer_vocab_size,
+                keep_existing=config.output.resume,
+            )
+        except DataError as error:
+            raise ConfigError(f"model.tokenizer=train: {error}") from error
     source = config.model.tokenizer or config.model.path
     if source is None:
         if embedded_tokenizer is None:
             raise ConfigError(
-                "no tokenizer: set model.tokenizer (or model.path) when the data is not the embedded corpus"
+                "no tokenizer: set model.tokenizer to a tokenizer's directory or hub id, or to train (a "
+                "byte-level BPE trained on data.path, for a model built from model.config)"
             )
         source = str(embedded_tokenizer)
     key = "model.tokenizer" if config.model.tokenizer else "model.path"
@@ -259,23 +361,79 @@ def _with_lora(config: RecipeConfig, model: nn.Module) -> nn.Module:
 
 
 def _load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     spec = config.model
     torch.manual_seed(config.train.seed)
     kwargs = {"attn_implementation": spec.attn_implementation, "dtype": torch.float32}
     if spec.path is not None:
         with _missing_from_cache("model.path", spec.path):
             return _load_pretrained(spec.path, kwargs, partial)
-    values = dict(spec.config)
-    model_type = values.pop("model_type", None)
-    if model_type is None:
-        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
+    return _config_model(config, tokenizer, kwargs)
+
+
+def check_config_model(config: RecipeConfig, tokenizer: Any, *, pipelined: bool) -> None:
+    """Build ``model.config``'s model on the meta device (no memory, no time): entries that its config
+    class accepts but its modules refuse (``n_embd`` not divisible by ``n_head``), or a family that
+    cannot be pipelined, fail here as a configuration error instead of on every rank."""
+    if config.model.config is None:
+        return
+    from transformers.utils import logging as hf_logging
+
+    from pp_offload.models.families import family_of
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a trial build: its notes would come again from every rank
+    try:
+        with torch.device("meta"):
+            model = _config_model(
+                config, tokenizer, {"attn_implementation": config.model.attn_implementation}
+            )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if pipelined:
+        family_of(model)  # UnsupportedModelError: a configuration error
+
+
+def _config_model(config: RecipeConfig, tokenizer: Any, kwargs: dict[str, Any]) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    values = dict(config.model.config or {})
     values.setdefault("vocab_size", len(tokenizer))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         values.setdefault(key, getattr(tokenizer, key, None))
-    hf_config = AutoConfig.for_model(model_type, **values)
-    return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    hf_config = _hf_config(values)
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+    except (ValueError, TypeError, AssertionError) as error:
+        if isinstance(error, ValueError) and "Unrecognized configuration class" in str(error):
+            raise ConfigError(
+                f"model.config: model_type={hf_config.model_type!r} has no causal LM in transformers"
+            ) from error
+        raise ConfigError(
+            f"model.config: transformers cannot build a {hf_config.model_type!r} model from these entries: "
+            f"{_short(error)}"
+        ) from error
+
+
+def _hf_config(values: dict[str, Any]) -> Any:
+    """The transformers config of ``model.config``'s entries; a missing or unknown ``model_type`` or an
+    entry its config class refuses is a configuration error naming it."""
+    from transformers import AutoConfig
+
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except Exception as error:  # ValueError, TypeError, huggingface_hub's StrictDataclassError: the entries
+        cause = error.__cause__ if isinstance(error.__cause__, (ValueError, TypeError)) else error
+        raise ConfigError(f"model.config (model_type={model_type!r}): {_short(cause)}") from error
+
+
+def _short(error: BaseException, limit: int = 300) -> str:
+    """A dependency's error message on one line, cut to ``limit`` characters."""
+    reason = " ".join(str(error).split()) or type(error).__name__
+    return reason if len(reason) <= limit else reason[:limit] + "..."
 
 
 def _load_pretrained(path: str, kwargs: dict[str, Any], partial: bool) -> nn.Module:
@@ -427,7 +585,7 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
         raise ConfigError(
             f"the model has {num_layers} layers, fewer than the {num_stages} pipeline stages "
             f"({topo.pp} ranks x {per_rank} stages per rank for {info.name}): "
-            + _fewer_stages_fix(info, num_layers)
+            + _fewer_stages_fix(info, num_layers, topo.world)
         )
     if spec.layers_per_stage is not None and len(spec.layers_per_stage) != num_stages:
         raise ConfigError(
@@ -442,17 +600,24 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
     return info
 
 
-def _fewer_stages_fix(info: ScheduleInfo, num_layers: int) -> str:
-    """What to change when the model has fewer layers than stages, for this schedule's placement."""
-    if info.placement == "v" and num_layers >= 2:
-        ranks = num_layers // 2
-        return (
-            f"use at most {ranks} pipeline rank{'s' if ranks > 1 else ''} (a V schedule holds 2 stages per "
-            "rank), or a model with more layers"
-        )
+def _fewer_stages_fix(info: ScheduleInfo, num_layers: int, world: int) -> str:
+    """What to change when the model has fewer layers than stages, for this schedule's placement; with
+    ``world`` processes, the ``--dp`` that keeps them all busy with fewer pipeline ranks."""
     if info.placement == "loop":
         return "set fewer pipeline.stages_per_rank, use fewer pipeline ranks, or a model with more layers"
-    return f"use at most {num_layers} pipeline ranks (one stage each), or a model with more layers"
+    v = info.placement == "v"
+    ranks = num_layers // 2 if v else num_layers
+    if ranks < 1:
+        return "use a single-stage schedule (Schedule1F1B), or a model with more layers"
+    why = " (a V schedule holds 2 stages per rank)" if v else " (one stage each)"
+    fix = f"use at most {ranks} pipeline rank{'s' if ranks > 1 else ''}{why}"
+    pp = max(d for d in range(1, min(ranks, world) + 1) if world % d == 0)
+    if world > 1:
+        dp = world // pp
+        ranks_word = f"{pp} pipeline rank{'s' if pp > 1 else ''}"
+        replicas = f"{dp} data-parallel replicas"
+        fix += f": with {world} processes, --dp {dp} (pipeline.dp={dp}: {ranks_word} x {replicas})"
+    return f"{fix}; or a model with more layers"
 
 
 def _check_auto(spec: Any) -> None:
@@ -494,11 +659,8 @@ def num_layers_of(config: RecipeConfig) -> int | None:
     spec = config.model
     if spec.config is not None:
         values = dict(spec.config)
-        model_type = values.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError("model.config needs a model_type (e.g. llama, qwen2, gpt2)")
         values.pop("vocab_size", None)
-        hf_config = AutoConfig.for_model(model_type, **values)
+        hf_config = _hf_config(values)
     elif spec.path is not None:
         hf_config = AutoConfig.from_pretrained(spec.path)
     else:

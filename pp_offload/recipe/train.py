@@ -47,7 +47,7 @@ from pp_offload.data import (
 from pp_offload.data.batches import to_device
 from pp_offload.models import TokenCrossEntropy, export_pretrained, router_aux_of
 from pp_offload.models.evaluate import EvalResult, evaluate_model, evaluate_pipeline
-from pp_offload.models.lora import export_adapter, merged_state, unwrap_peft
+from pp_offload.models.lora import base_state, export_adapter, merged_state, unwrap_peft
 from pp_offload.parallel import build_mesh, checkpointing_mode, clip_grad_norm_, grad_norm
 from pp_offload.recipe.auto import choose_schedule, is_auto
 from pp_offload.recipe.checkpoint import latest_step, load_checkpoint, save_checkpoint
@@ -154,8 +154,8 @@ def _data(config: RecipeConfig, topo: Topology, cache: Path) -> _Data:
     tokenizer_dir = None
     if data.path == "embedded":
         tokenizer_dir = embedded_assets(embedded_dir(cache)).tokenizer_dir
-    tokenizer = load_tokenizer(config, tokenizer_dir)
     examples = load_examples(data, cache_dir=cache)
+    tokenizer = load_tokenizer(config, tokenizer_dir, examples)  # model.tokenizer: train learns the examples
     packed = pack_examples(examples, tokenizer, data)
     batches = PackedBatches(
         packed, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=config.train.seed
@@ -293,6 +293,7 @@ def run(
     config: RecipeConfig, *, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
 ) -> RunResult:
     """Run the recipe on this process (call it on every rank of a torchrun / accelerate launch job)."""
+    config = config.validated()  # a config built in Python gets the checks a YAML one had
     _check(config)
     topo = topology(config)
     device = device_for(config, topo)
@@ -579,16 +580,26 @@ def _export_lora(
     out: Path,
     topo: Topology,
 ) -> tuple[Path | None, Path | None]:
-    """The adapter (peft's format, every rank's layers gathered) to ``out/export``; with ``lora.merge`` the
-    merged model to ``out/merged``, each pipeline rank writing its own merged shard."""
+    """The adapter (peft's format, every rank's layers gathered) to ``out/export``; for a base model built
+    from ``model.config`` the base too, to ``out/export/base`` (recorded as the adapter's
+    ``base_model_name_or_path``); with ``lora.merge`` the merged model to ``out/merged``. Each pipeline rank
+    writes its own shard of the full models."""
     assert config.lora is not None
     group = pipeline.pp_group if pipeline is not None else None
     replica0 = topo.dp_rank == 0  # the other replicas hold the same values and write nothing
     state = {name: _whole(t) for name, t in module.state_dict().items()}  # under FSDP: collective over dp
     adapter = None
+    # a base built from model.config exists nowhere else: its weights go beside the adapter, as an HF model
+    base = out / "export" / "base" if config.model.path is None else None
     if replica0:
+        if base is not None:  # first: peft's save reads the base's config
+            base_model = _StateDictView(base_state(module, state))
+            export_pretrained(base_model, unwrap_peft(model).config, base, tokenizer=tokenizer, group=group)
         adapter_only = _StateDictView({k: v for k, v in state.items() if ".lora_" in k})
-        adapter = export_adapter(adapter_only, model, out / "export", group=group, tokenizer=tokenizer)
+        base_name = str(base.resolve()) if base is not None else None
+        adapter = export_adapter(
+            adapter_only, model, out / "export", group=group, tokenizer=tokenizer, base_model=base_name
+        )
     merged = None
     if config.lora.merge and replica0:
         merged = export_pretrained(

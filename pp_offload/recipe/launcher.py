@@ -1,0 +1,125 @@
+"""``pp-offload train``: check the recipe's config in one process, then start the ranks with torchrun.
+
+Why: under torchrun every rank checks the config, rank 0 prints the error, and torchrun then adds its own
+40-line failure report (a ``ChildFailedError`` traceback, the exit code of each rank) under it, because a
+rank exited non-zero. Everything that does not need the ranks (every key's type and range, the process
+count against ``pipeline.pp x pipeline.dp``, the schedule, layers against stages, the batch split, the
+model and tokenizer directories, the data's columns, a tokenizer to train) is checked here first, in the
+parent: a bad config ends in one line and exit code 2, and torchrun is never started. What it trains or
+downloads here (``model.tokenizer: train``, the embedded corpus, a hub dataset) lands in the caches the
+ranks then reuse.
+
+    pp-offload train --nproc-per-node 4 --config my.yaml --dp 2
+    pp-offload train --nproc-per-node 4 --config my.yaml --check     # check only, start nothing
+
+One node (torchrun ``--standalone``); on several nodes use torchrun directly (docs/hybrid.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from pp_offload.recipe import cli
+from pp_offload.recipe.config import ConfigError, RecipeConfig
+
+__all__ = ["DESCRIPTION", "EPILOG", "add_arguments", "check_before_launch", "run_from_args"]
+
+DESCRIPTION = (
+    "Fine-tune with the recipe (recipes/finetune.py) on this machine: check the config once, then start "
+    "--nproc-per-node ranks with torchrun. A configuration error is one line (exit code 2), before any "
+    "rank starts."
+)
+EPILOG = "example: pp-offload train --nproc-per-node 4 --config recipes/configs/tiny_llama.yaml --dp 2"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes (ranks) to start here: pipeline ranks x --dp (default 1: the unsplit model)",
+    )
+    parser.add_argument("--check", action="store_true", help="check the config and the inputs, start nothing")
+    cli.add_recipe_arguments(parser)
+
+
+def check_before_launch(config: RecipeConfig, world: int) -> None:
+    """Every check of a run on ``world`` processes that needs no process group, as rank 0 would make it.
+
+    Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`)."""
+    from pp_offload.data import embedded_assets, embedded_dir, load_examples
+    from pp_offload.recipe.parts import (
+        check_config_model,
+        check_model_sources,
+        load_tokenizer,
+        num_layers_of,
+        preflight,
+        topology,
+    )
+    from pp_offload.recipe.train import _check
+
+    config = config.validated()
+    _check(config)
+    if world < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {world}")
+    topo = topology(config, world=world)
+    if config.train.device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if count < world:
+            raise ConfigError(
+                f"train.device=cuda with {world} processes needs {world} GPUs (one per rank), this machine "
+                f"shows {count}: fewer processes, or train.device=cpu"
+            )
+    check_model_sources(config)
+    if topo.distributed:
+        preflight(config, topo, num_layers_of(config))
+    elif config.pipeline.pp not in (None, 1):
+        raise ConfigError(f"pipeline.pp={config.pipeline.pp} needs that many processes: --nproc-per-node")
+    import datasets
+
+    quiet = datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # the error, if any, is the one line on stderr
+    try:
+        cache = (
+            Path(config.output.dir) / "cache"
+        )  # the ranks' cache (train.run): what is built here is reused
+        examples = load_examples(config.data, cache_dir=cache)
+        embedded = None
+        if config.data.path == "embedded":
+            embedded = embedded_assets(embedded_dir(cache)).tokenizer_dir
+        tokenizer = load_tokenizer(config, embedded, examples)
+        check_config_model(config, tokenizer, pipelined=topo.distributed)
+        if config.data.has_eval:
+            from pp_offload.data import DataError
+
+            try:
+                load_examples(config.data.eval_config(), cache_dir=cache)
+            except DataError as error:
+                raise ConfigError(f"evaluation data (data.eval_split / data.eval_path): {error}") from error
+    finally:
+        if not quiet:
+            datasets.enable_progress_bars()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    try:
+        config = cli.config_from_args(args)
+        check_before_launch(config, args.nproc_per_node)
+    except cli.CONFIGURATION_ERRORS as error:
+        cli.report_configuration_error(error, "0")
+        return 2
+    if args.check:
+        print(f"finetune: configuration ok for {args.nproc_per_node} process(es)")
+        return 0
+    argv = cli.recipe_argv(args)
+    if args.nproc_per_node == 1:
+        return cli.main(argv)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(args.nproc_per_node), "-m", "pp_offload.recipe", *argv]
+    return subprocess.run(command, check=False).returncode
