@@ -11,7 +11,9 @@ rank of a stalled job says ``rank R stalled at step N in action X (waiting for r
 
 Waiting in torch's runtime: RECV_F / RECV_B only post a receive; the compute action that consumes it (F
 for an input, I or B for an output gradient) waits for it. So a rank stuck on a missing input is "in"
-that compute action, and its peer is the rank holding the neighbouring stage.
+that compute action, and its peer is the rank holding the neighbouring stage; once the stage's compute
+method is entered (noted through a wrapper, as `pp_offload.runtime.timing` notes compute starts) the
+input is there and the rank is computing, not waiting.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = ["StallWatchdog", "StepProgress", "describe", "track_actions", "waitin
 
 _SEND_RECV_PEER = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}  # neighbour stage offset
 _WAITS_FOR = {"F": -1, "I": 1, "B": 1}  # compute actions that wait for a posted receive
+_STAGE_COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 class StepProgress:
@@ -38,21 +41,23 @@ class StepProgress:
     checkpoints and the export have their own collective timeouts and may legitimately take long).
     """
 
-    __slots__ = ("action", "armed", "phase", "step")
+    __slots__ = ("action", "armed", "computing", "phase", "step")
 
     def __init__(self) -> None:
         self.step = 0
         self.phase = "starting"
         self.action: Any = None
+        self.computing = False  # the action's input has arrived and its computation runs
         self.armed = False
 
     def enter(self, phase: str) -> None:
         self.action = None
+        self.computing = False
         self.phase = phase
 
-    def snapshot(self) -> tuple[int, str, int]:
+    def snapshot(self) -> tuple[int, str, int, bool]:
         """What changes whenever the rank makes progress (the action object itself by identity)."""
-        return self.step, self.phase, id(self.action)
+        return self.step, self.phase, id(self.action), self.computing
 
 
 def track_actions(schedule: Any, progress: StepProgress) -> Callable[[], None]:
@@ -70,13 +75,37 @@ def track_actions(schedule: Any, progress: StepProgress) -> Callable[[], None]:
         order = compat.lowered_order(schedule)
         actions = order[rank]
         order[rank] = _TrackedActions(actions, progress)
+        stages = compat.schedule_stages(schedule)
+        saved = [_mark_computing(stage, progress) for stage in stages]
         progress.enter("pipeline schedule")
         try:
             return step_microbatches(*args, **kwargs)
         finally:
             order[rank] = actions
+            for stage, methods in reversed(list(zip(stages, saved, strict=True))):
+                for name, value in methods.items():
+                    if value is None:
+                        vars(stage).pop(name, None)
+                    else:
+                        setattr(stage, name, value)
 
     return compat.wrap_step_microbatches(schedule, tracked_step)
+
+
+def _mark_computing(stage: Any, progress: StepProgress) -> dict[str, Any]:
+    """Route the stage's compute methods through a wrapper that notes the computation began (its input,
+    if any, has arrived); returns the instance attributes to restore (None: there was none)."""
+    saved: dict[str, Any] = {}
+    for name in _STAGE_COMPUTE_METHODS:
+        saved[name] = vars(stage).get(name)
+        method = getattr(stage, name)
+
+        def marked(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            progress.computing = True
+            return _method(*args, **kwargs)
+
+        setattr(stage, name, marked)
+    return saved
 
 
 class _TrackedActions(list):
@@ -91,6 +120,7 @@ class _TrackedActions(list):
     def __iter__(self) -> Iterator[Any]:
         progress = self._progress
         for action in self._source:
+            progress.computing = False
             progress.action = action
             yield action
         progress.enter("pipeline schedule: waiting for its sends to complete")
@@ -124,6 +154,8 @@ def describe(progress: StepProgress, peer: int | None) -> str:
     """``in action 3F1 (waiting for rank 1)`` / ``in the loss all-reduce``: where ``progress`` stands."""
     if progress.action is not None:
         where = f"in action {progress.action}"
+        if progress.computing:
+            return where + " (computing: its input is here)"
         if peer is not None:
             kind = compat.action_parts(progress.action)[1]
             where += f" ({'sending to' if kind.startswith('SEND') else 'waiting for'} rank {peer})"
