@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _config(out: Path, **extra: object) -> dict:
     config = {
         "model": {"config": LLAMA, "verify_split": False},  # tests/test_models_split.py proves the split
-        "data": {"path": "embedded", "seq_len": 32, "max_examples": 400},
+        "data": {"path": "embedded", "seq_len": 32, "max_examples": 100},
         "pipeline": {"schedule": "ScheduleVHalf", "microbatches": 4},
         "train": {"steps": STEPS, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "stall_timeout": 60},
         "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False, "timeline": False},
@@ -359,7 +359,9 @@ def test_killed_worker_under_torchrun_max_restarts_resumes_exactly(
     config = _config(tmp_path / "run", output__save_every=2)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PP_OFFLOAD_TEST_KILL": "1:4", "PP_OFFLOAD_CACHE": cache}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "cache").symlink_to(cache)  # the recipe's cache: tokenizer and data made once
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PP_OFFLOAD_TEST_KILL": "1:4"}
     command = [
         sys.executable,
         "-m",

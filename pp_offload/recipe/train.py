@@ -390,7 +390,7 @@ def _run(
 
             def probe_step(probe: Pipeline) -> None:
                 with _autocast(config, device, topo):
-                    _pipeline_step(probe, first)
+                    _agree(_pipeline_step(probe, first), 0.0, False, True)  # as a step: one all-reduce
 
             config, decision = choose_schedule(
                 config, model, topo, device, mesh, probe_step, out, reuse=resume_from is not None
