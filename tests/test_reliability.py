@@ -383,3 +383,25 @@ def test_killed_worker_under_torchrun_max_restarts_resumes_exactly(
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == list(range(1, STEPS + 1))
     _close([float(r.split(",")[1]) for r in rows], reference)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_non_finite_state_is_never_checkpointed(tmp_path: Path) -> None:
+    """The last line of defence behind the skipped steps: save_checkpoint refuses NaN / inf anywhere in
+    the model or optimizer state, names the tensor and keeps the previous checkpoint as latest."""
+    from pp_offload.recipe.checkpoint import CheckpointWriteError, latest_step, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    save_checkpoint(tmp_path, 1, model, optimizer)
+    optimizer.state[model.bias]["exp_avg_sq"][0] = float("inf")
+    with pytest.raises(
+        CheckpointWriteError, match=r"step 2 not written \(rank 0: non-finite values in optim\..*bias"
+    ):
+        save_checkpoint(tmp_path, 2, model, optimizer)
+    assert latest_step(tmp_path) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest.json",
+        "step_00000001",
+    ]

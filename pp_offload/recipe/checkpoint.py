@@ -157,7 +157,7 @@ def _gather_failures(failure: str | None) -> list[tuple[int, str]]:
     """Every rank's failure (rank, text), on every rank; one small all-reduce when none failed."""
     if not _distributed():
         return [(0, failure)] if failure else []
-    flag = torch.tensor([1.0 if failure else 0.0])
+    flag = torch.tensor([1.0 if failure else 0.0], device=_collective_device())
     dist.all_reduce(flag)
     if not flag.item():
         return []
@@ -166,14 +166,27 @@ def _gather_failures(failure: str | None) -> list[tuple[int, str]]:
     return [(rank, text) for rank, text in enumerate(texts) if text]
 
 
+def _collective_device() -> torch.device:
+    """Where a small tensor for the default group's collectives must live (NCCL: this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _refuse_non_finite(step: int, root: Path, state: dict[str, Any]) -> None:
-    """Raise `CheckpointWriteError` on every rank if any rank's state holds NaN or infinity."""
+    """Raise `CheckpointWriteError` on every rank if any rank's state holds NaN or infinity (one host
+    read for all tensors of this rank, and a name only when one is bad)."""
+    named = [
+        (name, t.to_local() if hasattr(t, "to_local") else t)
+        for name, t in _tensors(state)
+        if t.is_floating_point() and t.numel()
+    ]
+    verdicts: dict[torch.device, list[torch.Tensor]] = {}  # AdamW's step counts live on the CPU
+    for _, t in named:
+        verdicts.setdefault(t.device, []).append(torch.isfinite(t).all())
     bad = None
-    for name, tensor in _tensors(state):
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
-            bad = f"non-finite values in {name}"
-            break
+    if not all(bool(torch.stack(v).all()) for v in verdicts.values()):
+        bad = "non-finite values in " + next(n for n, t in named if not bool(torch.isfinite(t).all()))
     failures = _gather_failures(bad)
     if failures:
         rank, why = failures[0]

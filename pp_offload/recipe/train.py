@@ -389,8 +389,8 @@ def _run(
             first = {k: v.to(device) for k, v in batches.batch(resume_from or 0).items()}  # the run's first
 
             def probe_step(probe: Pipeline) -> None:
-                with _autocast(config, device, topo):
-                    _agree(_pipeline_step(probe, first), 0.0, False, True)  # as a step: one all-reduce
+                with _autocast(config, device, topo):  # and the all-reduce a step ends with
+                    _agree(_pipeline_step(probe, first), 0.0, False, True, device)
 
             config, decision = choose_schedule(
                 config, model, topo, device, mesh, probe_step, out, reuse=resume_from is not None
@@ -475,7 +475,9 @@ def _run(
                 where.enter("the gradient norm (a collective over every rank)")
                 norm = _clip(pipeline, module, train.max_grad_norm)
                 where.enter("the loss all-reduce (every rank)")
-                loss, norm_ok, stopping = _agree(local_loss, float(norm), stop.requested, topo.distributed)
+                loss, norm_ok, stopping = _agree(
+                    local_loss, float(norm), stop.requested, topo.distributed, device
+                )
                 if math.isfinite(loss) and norm_ok:
                     where.enter("the optimizer step")
                     optimizer.step()
@@ -646,7 +648,9 @@ def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> torch.
     return torch.stack([loss.detach().double() for loss in losses]).sum().cpu()
 
 
-def _agree(local_loss: torch.Tensor, norm: float, stop: bool, distributed: bool) -> tuple[float, bool, bool]:
+def _agree(
+    local_loss: torch.Tensor, norm: float, stop: bool, distributed: bool, device: torch.device | None = None
+) -> tuple[float, bool, bool]:
     """The step's loss, whether the gradient norm is finite on every rank, whether any rank was asked to
     stop: one all-reduce over the whole job (the one the loss always took), so every rank decides alike.
     """
@@ -658,8 +662,10 @@ def _agree(local_loss: torch.Tensor, norm: float, stop: bool, distributed: bool)
         ]
     )
     if distributed:
+        if device is not None and device.type == "cuda":  # NCCL reduces device tensors only
+            flags = flags.to(device)
         dist.all_reduce(flags)
-    loss, bad_norm, stopping = flags.tolist()
+    loss, bad_norm, stopping = flags.tolist()  # the step's one host read of collective results
     return loss, bad_norm == 0, stopping > 0
 
 
