@@ -545,12 +545,11 @@ def _run(
                     save_checkpoint(
                         ckpt_root, step + 1, module, optimizer, keep=config.output.keep, meta=meta
                     )
-        where.armed = False
-        if result.preempted is None:
-            if start < train.steps:
+            where.armed = False
+            if result.preempted is None and start < train.steps:  # a signal now is noted, not fatal
                 save_checkpoint(ckpt_root, train.steps, module, optimizer, keep=config.output.keep, meta=meta)
-            if data.eval_batches is not None:  # the final evaluation, also after a resume with nothing left
-                _evaluate(config, data, pipeline, module, device, topo, train.steps, result, metrics, bar)
+        if result.preempted is None and data.eval_batches is not None:  # also when nothing was left
+            _evaluate(config, data, pipeline, module, device, topo, train.steps, result, metrics, bar)
     finally:
         where.armed = False
         if watchdog is not None:
