@@ -61,5 +61,5 @@ if args.tiny:  # config-built GPT-2, the offline corpus (and its tokenizer), fp3
     config.output.log_every = 1
 
 result = run(config, progress=sys.stderr.isatty())
-if os.environ.get("RANK", "0") == "0":
+if os.environ.get("RANK", "0") == "0" and result.losses:  # none when a relaunch finds the run finished
     print(f"cpt: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; model in {result.export_dir}")

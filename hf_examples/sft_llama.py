@@ -90,5 +90,5 @@ if args.tiny:  # config-built tiny Llama with the embedded tokenizer, fp32 on CP
     config.output.log_every = 1
 
 result = run(config, cache_dir=out / "cache", progress=sys.stderr.isatty())
-if rank == "0":
+if rank == "0" and result.losses:  # none when a relaunch finds the run finished
     print(f"sft: loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; model in {result.export_dir}")

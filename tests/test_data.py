@@ -342,6 +342,22 @@ def test_load_bad_paths(tmp_path):
         load_examples(DataConfig(path=str(file), split="test"), cache_dir=tmp_path)
 
 
+def test_malformed_json_line_is_named(tmp_path):
+    """datasets says only "An error occurred while generating the dataset"; the error names file and line,
+    also when the file comes through a glob of several."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _write_jsonl(data / "a.jsonl", [{"text": "fine"}])
+    (data / "b.jsonl").write_text('{"text": "one"}\n\n{"text": two}\n{"text": "four"}\n')
+    with pytest.raises(DataError, match=r"b\.jsonl:3: malformed JSON line \(Expecting value"):
+        load_examples(DataConfig(path=str(data / "b.jsonl")), cache_dir=tmp_path)
+    with pytest.raises(DataError, match=r"b\.jsonl:3: malformed JSON line"):
+        load_examples(DataConfig(path="json", data_files=str(data / "*.jsonl")), cache_dir=tmp_path)
+    (tmp_path / "bad.csv").write_text('text\n"a"\n"b\n')
+    with pytest.raises(DataError, match=r"cause: ParserError: .*row 2"):
+        load_examples(DataConfig(path=str(tmp_path / "bad.csv")), cache_dir=tmp_path)
+
+
 def test_load_hub_name_offline_is_a_clear_error(tmp_path, monkeypatch):
     import huggingface_hub.constants
 

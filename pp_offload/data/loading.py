@@ -120,9 +120,74 @@ def _load_local(
             builder, config.name, data_files=data_files, split=config.split, cache_dir=cache_dir
         )
     except Exception as error:  # datasets raises many types (FileNotFoundError, ValueError, ArrowInvalid...)
+        where = _malformed_line(builder, data_files) or _root_cause(error)
         raise DataError(
             f"could not load {config.path!r} (split {config.split!r}): {type(error).__name__}: {error}"
+            + (f"; {where}" if where else "")
         ) from error
+
+
+def _root_cause(error: BaseException) -> str | None:
+    """The innermost cause's type and first line (datasets wraps a parser's error, which says where)."""
+    inner = error
+    while inner.__cause__ is not None or inner.__context__ is not None:
+        inner = inner.__cause__ or inner.__context__  # type: ignore[assignment]
+    if inner is error:
+        return None
+    text = str(inner).strip().splitlines()
+    return f"cause: {type(inner).__name__}: {text[0] if text else ''}"
+
+
+def _files(data_files: Any) -> list[Path]:
+    """The local files a ``data_files`` value names (a path, a glob, a list, or a mapping of splits)."""
+    if isinstance(data_files, dict):
+        return [f for value in data_files.values() for f in _files(value)]
+    if isinstance(data_files, (list, tuple)):
+        return [f for value in data_files for f in _files(value)]
+    if not isinstance(data_files, (str, os.PathLike)):
+        return []
+    path = Path(data_files).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(f for f in path.rglob("*") if f.is_file())
+    return sorted(f for f in Path(path.anchor or ".").glob(str(path.relative_to(path.anchor))) if f.is_file())
+
+
+def _malformed_line(builder: str, data_files: Any) -> str | None:
+    """``<file>:<line>: <what>`` for the first line of a JSON Lines file that is not JSON, else None.
+
+    Why: datasets reports a bad line as an Arrow parse error of "row N" of an unnamed file, or only as
+    "An error occurred while generating the dataset"; reading the files once more, only after a failure,
+    names the file and the line to fix."""
+    import gzip
+    import json
+
+    if builder != "json":
+        return None
+    for file in _files(data_files):
+        suffixes = [s.lower() for s in file.suffixes]
+        if not (set(suffixes) & {".json", ".jsonl"}) or (set(suffixes) & {".bz2", ".xz", ".zst"}):
+            continue
+        opener: Any = gzip.open if ".gz" in suffixes else open
+        try:
+            with opener(file, "rt", encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as error:
+            return f"{file}: {type(error).__name__}: {error}"
+        try:
+            json.loads(text)
+            continue  # one JSON document: fine
+        except ValueError:
+            pass
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as error:
+                return f"{file}:{number}: malformed JSON line ({error})"
+    return None
 
 
 def _load_from_hub(config: DataConfig, cache_dir: str | None) -> datasets.Dataset:

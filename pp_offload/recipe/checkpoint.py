@@ -9,6 +9,11 @@ Layout under ``<dir>/checkpoints``::
 Why DCP: every pipeline rank saves only what it holds, under the model's own parameter names, so the
 checkpoint is independent of which rank held what. Why the pointer file: a job killed while saving leaves
 the previous ``latest`` untouched; old checkpoints are removed only after the new pointer is in place.
+A write that fails on any rank (a full disk) is agreed on by all ranks: the ``.partial`` directory is
+removed and every rank raises `CheckpointWriteError`, whose message names the still intact previous
+checkpoint. A state holding NaN or infinity is never written (`CheckpointWriteError` too): a resumed run
+would only train on from garbage. ``meta.json`` records the step and the config that wrote it, which is
+how `pp_offload.recipe.resume` tells this run's checkpoints from another run's.
 Per-rank RNG states are saved too, so a resumed run draws the same random numbers (dropout) as an
 uninterrupted one.
 """
@@ -30,9 +35,12 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pp_offload.fsutil import partial_dir, publish_dir, write_text_atomic
+from pp_offload.recipe.stops import RunStopped
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
+    "checkpoint_meta",
     "latest_step",
     "load_checkpoint",
     "rng_state",
@@ -54,6 +62,10 @@ _LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_froze
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read; the message says which and why."""
+
+
+class CheckpointWriteError(CheckpointError, RunStopped):
+    """A checkpoint that could not be written (on some rank); the previous one is intact."""
 
 
 def _distributed() -> bool:
@@ -83,9 +95,18 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 def save_checkpoint(
-    root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, *, keep: int = 2
+    root: str | Path,
+    step: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    keep: int = 2,
+    meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Save model and optimizer state of every rank for ``step``; call on every rank."""
+    """Save model and optimizer state of every rank for ``step``; call on every rank.
+
+    ``meta``: more entries for ``meta.json`` (the recipe records its config). Raises
+    `CheckpointWriteError` on every rank when the state is not finite or a rank's write fails."""
     root = Path(root)
     final = _step_dir(root, step)
     scratch = partial_dir(final)
@@ -95,12 +116,27 @@ def save_checkpoint(
             shutil.rmtree(scratch)
     _barrier()
     model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
-    with _quiet_single_process():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(scratch))
-    torch.save(rng_state(), scratch / f"rng_{_rank()}.pt")
-    _barrier()
+    _refuse_non_finite(step, root, {"model": model_state, "optim": optim_state})
+    failure = None
+    try:
+        with _quiet_single_process():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(scratch))
+        torch.save(rng_state(), scratch / f"rng_{_rank()}.pt")
+    except Exception as error:  # a full disk is an OSError here, a CheckpointException from DCP's ranks
+        failure = (
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+    failures = _gather_failures(failure)
+    if failures:
+        if _rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+        _barrier()
+        rank, why = failures[0]
+        raise CheckpointWriteError(
+            f"checkpoint of step {step} not written (rank {rank}: {why}); {_intact(root)}"
+        )
     if _rank() == 0:
-        (scratch / "meta.json").write_text(json.dumps({"step": step}) + "\n")
+        (scratch / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, default=str) + "\n")
         publish_dir(scratch, final)
         write_text_atomic(root / _LATEST, json.dumps({"step": step, "dir": final.name}) + "\n")
         complete = _complete(root)
@@ -108,6 +144,78 @@ def save_checkpoint(
             shutil.rmtree(old)
     _barrier()
     return final
+
+
+def _intact(root: Path) -> str:
+    previous = latest_step(root)
+    if previous is None:
+        return "there is no earlier checkpoint"
+    return f"the latest checkpoint is still step {previous} ({_step_dir(root, previous)}), intact"
+
+
+def _gather_failures(failure: str | None) -> list[tuple[int, str]]:
+    """Every rank's failure (rank, text), on every rank; one small all-reduce when none failed."""
+    if not _distributed():
+        return [(0, failure)] if failure else []
+    flag = torch.tensor([1.0 if failure else 0.0], device=_collective_device())
+    dist.all_reduce(flag)
+    if not flag.item():
+        return []
+    texts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, failure)
+    return [(rank, text) for rank, text in enumerate(texts) if text]
+
+
+def _collective_device() -> torch.device:
+    """Where a small tensor for the default group's collectives must live (NCCL: this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _refuse_non_finite(step: int, root: Path, state: dict[str, Any]) -> None:
+    """Raise `CheckpointWriteError` on every rank if any rank's state holds NaN or infinity (one host
+    read for all tensors of this rank, and a name only when one is bad)."""
+    named = [
+        (name, t.to_local() if hasattr(t, "to_local") else t)
+        for name, t in _tensors(state)
+        if t.is_floating_point() and t.numel()
+    ]
+    verdicts: dict[torch.device, list[torch.Tensor]] = {}  # AdamW's step counts live on the CPU
+    for _, t in named:
+        verdicts.setdefault(t.device, []).append(torch.isfinite(t).all())
+    bad = None
+    if not all(bool(torch.stack(v).all()) for v in verdicts.values()):
+        bad = "non-finite values in " + next(n for n, t in named if not bool(torch.isfinite(t).all()))
+    failures = _gather_failures(bad)
+    if failures:
+        rank, why = failures[0]
+        raise CheckpointWriteError(
+            f"checkpoint of step {step} not written (rank {rank}: {why}); {_intact(root)}"
+        )
+
+
+def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from _tensors(value, f"{prefix}.{key}" if prefix else str(key))
+
+
+def checkpoint_meta(root: str | Path) -> dict[str, Any] | None:
+    """The ``meta.json`` of the newest complete checkpoint under ``root`` (step, and the config that
+    wrote it when recorded), or None when there is none."""
+    step = latest_step(root)
+    if step is None:
+        return None
+    path = _step_dir(Path(root), step) / "meta.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(
+            f"{path} is missing or unreadable ({error}); the checkpoint is incomplete"
+        ) from error
 
 
 def _complete(root: Path) -> list[Path]:

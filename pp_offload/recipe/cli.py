@@ -8,6 +8,10 @@ Launch one process per pipeline rank with torchrun or accelerate::
 
 With one process (plain ``python``) the same config trains the unsplit model: the reference a pipelined run
 reproduces.
+
+Exit codes: 0 done, or stopped by SIGTERM / SIGUSR1 after writing a checkpoint (a rerun continues); 1 a rank
+failed, or a checkpoint could not be written; 2 a configuration error; 3 too many non-finite steps in a
+row (``train.max_bad_steps``); 4 a step stalled (``train.stall_timeout``). See docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Sequence
 from pp_offload.data import DataError
 from pp_offload.models.families import UnsupportedModelError
 from pp_offload.recipe.config import ConfigError, RecipeConfig, load_config
+from pp_offload.recipe.stops import RunStopped
 
 __all__ = [
     "CONFIGURATION_ERRORS",
@@ -171,11 +176,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CONFIGURATION_ERRORS as error:
         report_configuration_error(error, rank)
         return 2
+    except RunStopped as error:  # every rank stops alike: one line from rank 0, the reason's exit code
+        if rank == "0":
+            print(f"finetune: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
     except Exception as error:
         hint = failure_hint(error)
         hint = f"\nfinetune: rank {rank}: {hint}" if hint else ""
         print(f"finetune: rank {rank} failed:\n{traceback.format_exc()}{hint}", file=sys.stderr, flush=True)
         return 1
+    if result.preempted:  # exit 0: torchrun must not restart a run that was asked to stop
+        return 0
     if rank == "0":
         where = f"; exported to {result.export_dir}" if result.export_dir else ""
         losses = result.losses
@@ -186,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 held_out = f"; validation loss {last['loss']:.4f} (perplexity {last['perplexity']:.1f})"
             print(
                 f"finetune: done, loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps"
+                f"{f' ({len(result.skipped_steps)} skipped as non-finite)' if result.skipped_steps else ''}"
                 f"{held_out}{where}"
             )
     return 0

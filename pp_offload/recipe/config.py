@@ -149,6 +149,14 @@ class TrainConfig:
         eval_every: Steps between evaluations on the held-out data (``data.eval_split`` or
             ``data.eval_path``); 0: only the final evaluation, which runs whenever held-out data is set.
         eval_batches: Held-out global batches per evaluation (the same blocks each time); null: all.
+        max_bad_steps: Consecutive non-finite steps tolerated (an int >= 1). A step whose loss or global
+            gradient norm is NaN or infinite is skipped on every rank (no optimizer update, gradients
+            dropped; its batch and learning-rate slot are used up, AdamW's step count is not); this many
+            in a row stop the run with exit code 3 (docs/reliability.md).
+        stall_timeout: Seconds a training step may go without progress (no pipeline action started, no
+            collective finished) before every rank prints the action it waits in and the job ends with
+            exit code 4; null: no stall watch. Keep it below ``timeout_s``, which fails the collective
+            itself without saying where each rank was.
     """
 
     steps: int = 40
@@ -167,6 +175,8 @@ class TrainConfig:
     timeout_s: float = 600.0
     eval_every: int = 0
     eval_batches: int | None = None
+    max_bad_steps: int = 5
+    stall_timeout: float | None = 300.0
 
 
 @dataclass
@@ -177,7 +187,12 @@ class OutputConfig:
         dir: The run's directory: ``metrics.csv``, ``summary.json``, ``checkpoints/``, ``export/``.
         save_every: Steps between checkpoints; 0: only at the end.
         keep: Checkpoints kept; older ones are deleted only after a new one is complete.
-        resume: Continue from ``dir/checkpoints/latest`` when there is one (same as ``--resume``).
+        resume: Continue from ``dir/checkpoints/latest`` when there is one (same as ``--resume``), even
+            when that checkpoint was written with another config (the differences are printed). Without
+            it a run resumes by itself only from checkpoints of the same run (same model, data and
+            optimisation settings: a torchrun restart, a relaunch of the same command).
+        overwrite: Start from step 0 even though ``dir/checkpoints`` holds another run's checkpoints,
+            deleting them first (not on a torchrun restart, which always continues its own run).
         export: Write a Hugging Face model (safetensors shards, config, tokenizer) to ``dir/export`` at the
             end.
         log_every: Steps between log lines.
@@ -189,6 +204,7 @@ class OutputConfig:
     save_every: int = 0
     keep: int = 2
     resume: bool = False
+    overwrite: bool = False
     export: bool = True
     log_every: int = 1
     metrics: list[str] = field(default_factory=lambda: ["csv"])

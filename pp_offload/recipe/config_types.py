@@ -89,6 +89,8 @@ RANGES: dict[str, Range] = {
     "train.timeout_s": _ABOVE_ZERO,
     "train.eval_every": _NON_NEGATIVE,
     "train.eval_batches": _POSITIVE,
+    "train.max_bad_steps": _POSITIVE,
+    "train.stall_timeout": _ABOVE_ZERO,
     "output.save_every": _NON_NEGATIVE,
     "output.keep": _POSITIVE,
     "output.log_every": _NON_NEGATIVE,

@@ -35,10 +35,12 @@ __all__ = [
     "check_model_sources",
     "device_for",
     "init_process_group",
+    "launcher_store",
     "load_model",
     "load_tokenizer",
     "num_layers_of",
     "preflight",
+    "restart_count",
     "topology",
 ]
 
@@ -141,7 +143,12 @@ def init_process_group(config: RecipeConfig, topo: Topology, device: torch.devic
     if not topo.distributed or dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(config.train.timeout_s)))
+    timeout = datetime.timedelta(seconds=float(config.train.timeout_s))
+    store = launcher_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=topo.rank, world_size=topo.world, timeout=timeout)
     return True
 
 
@@ -158,6 +165,36 @@ _TOKENIZER_FILES = (
 _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json")
 #: ``model.tokenizer``'s value that trains a byte-level BPE on the training data.
 TRAIN_TOKENIZER = "train"
+
+
+def launcher_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun: the agent's key-value store, with keys private to this restart; else None.
+
+    Why: torchrun's workers share the store its agent hosts (``TORCHELASTIC_USE_AGENT_STORE``), and that
+    store lives across ``--max-restarts`` rounds, so the keys by which the gloo (or NCCL) ranks of round
+    0 found each other are still there when the workers of round 1 start. A restarted rank that reads
+    them before its peer has written its new address connects to the dead one (gloo's ``connectFullMesh``:
+    connection refused) or waits for a peer that never answers; a plain script whose ranks start within
+    milliseconds of each other rarely loses that race, the recipe (seconds of data loading first) often
+    does. Prefixing every key with the restart count gives each round a clean namespace.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"pp_offload/{run_id}/restart_{restart}", store)
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this job's workers (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def check_model_sources(config: RecipeConfig) -> None:

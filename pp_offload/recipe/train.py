@@ -15,6 +15,13 @@ pipeline replica gets its own slice of every global batch, and each stage is sha
 replicas (`pp_offload.parallel.apply_fsdp`), which reduces its gradients once per step (a sum: the loss is
 already normalised over the global batch). bf16 then means FSDP's bf16 parameter policy rather than
 autocast. Checkpoints stay sharded (DCP); the HF export gathers full tensors and is written by replica 0.
+
+Long runs (docs/reliability.md): a step whose loss or global gradient norm is not finite is skipped on
+every rank, and ``train.max_bad_steps`` of them in a row stop the run; SIGTERM / SIGUSR1 finish the step,
+write a checkpoint and return; a relaunch (or a torchrun restart) on the same output directory continues
+from its newest checkpoint (`pp_offload.recipe.resume`); a step that makes no progress for
+``train.stall_timeout`` seconds makes every rank print where it waits, and the job ends. The loss, the
+non-finite verdict and the stop request travel in one all-reduce per step, the one the loss always took.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,7 +58,7 @@ from pp_offload.models.evaluate import EvalResult, evaluate_model, evaluate_pipe
 from pp_offload.models.lora import base_state, export_adapter, merged_state, unwrap_peft
 from pp_offload.parallel import build_mesh, checkpointing_mode, clip_grad_norm_, grad_norm
 from pp_offload.recipe.auto import choose_schedule, is_auto
-from pp_offload.recipe.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from pp_offload.recipe.checkpoint import load_checkpoint, save_checkpoint
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.parts import (
     Pipeline,
@@ -64,11 +72,16 @@ from pp_offload.recipe.parts import (
     num_layers_of,
     packing_note,
     preflight,
+    restart_count,
     topology,
 )
+from pp_offload.recipe.preempt import StopRequest
+from pp_offload.recipe.resume import ResumePlan, plan_resume
+from pp_offload.recipe.stops import EXIT_STALLED, NonFiniteSteps
 from pp_offload.recipe.timeline import StepTimeline
 from pp_offload.runtime import compat
 from pp_offload.runtime.dropout_keys import DropoutKeys, key_dropout
+from pp_offload.runtime.progress import StallWatchdog, StepProgress, describe, track_actions, waiting_peer
 
 __all__ = ["RunResult", "run"]
 
@@ -88,6 +101,9 @@ class RunResult:
     timeline_png: Path | None = None
     auto: dict[str, Any] | None = None  # schedule: auto's decision (the same on every rank)
     evals: list[dict[str, float]] = field(default_factory=list)  # {"step", "loss", "perplexity", "tokens"}
+    skipped_steps: list[int] = field(default_factory=list)  # 1-based steps skipped as non-finite
+    preempted: str | None = None  # the signal's name when SIGTERM / SIGUSR1 stopped the run early
+    last_step: int = 0  # the step the run's weights are at when it returned
 
 
 _AUTO_SUMMARY = ("schedule", "offload", "memory_limit", "predicted_step_s", "peak_bytes", "reason")
@@ -118,6 +134,7 @@ def _check(config: RecipeConfig) -> None:
         checkpointing_mode(train.activation_checkpointing)
     except ValueError as error:
         raise ConfigError(f"train.activation_checkpointing: {error}") from None
+    _check_reliability(train)
     if train.eval_every < 0:
         raise ConfigError(
             f"train.eval_every must be >= 0 (0: evaluate only at the end), got {train.eval_every}"
@@ -134,6 +151,22 @@ def _check(config: RecipeConfig) -> None:
     unknown = set(config.output.metrics) - {"csv", "tensorboard"}
     if unknown:
         raise ConfigError(f"output.metrics may hold csv and tensorboard, got {sorted(unknown)}")
+
+
+def _check_reliability(train: Any) -> None:
+    bad = train.max_bad_steps
+    if isinstance(bad, bool) or not isinstance(bad, int) or bad < 1:
+        raise ConfigError(
+            f"train.max_bad_steps={bad!r} must be an int >= 1 (consecutive non-finite steps skipped before "
+            "the run stops)"
+        )
+    stall = train.stall_timeout
+    if stall is not None and (
+        isinstance(stall, bool) or not isinstance(stall, (int, float)) or not stall > 0
+    ):
+        raise ConfigError(
+            f"train.stall_timeout={stall!r} must be a number of seconds > 0, or null (no stall watch)"
+        )
 
 
 @dataclass
@@ -226,8 +259,11 @@ class _Reference:
 class _Metrics:
     """CSV and (optionally) TensorBoard metrics on rank 0."""
 
-    def __init__(self, config: RecipeConfig, out: Path, resumed: bool) -> None:
+    def __init__(self, config: RecipeConfig, out: Path, resumed: bool, start: int = 0) -> None:
         self.csv_file = None
+        if resumed:  # rows of steps after the checkpoint were trained again: drop the first copies
+            for name in ("metrics.csv", "eval.csv"):
+                _keep_rows_up_to(out / name, start)
         self.eval_csv = None
         self.tensorboard = None
         if "csv" in config.output.metrics and config.data.has_eval:
@@ -255,6 +291,7 @@ class _Metrics:
             self.tensorboard = SummaryWriter(str(out / "tensorboard"))
 
     def log(self, step: int, values: dict[str, float]) -> None:
+        """One row per step (a skipped step's row holds its non-finite loss or norm)."""
         if self.csv_file is not None:
             self.writer.writerow(
                 [
@@ -289,6 +326,18 @@ class _Metrics:
             self.tensorboard.close()
 
 
+def _keep_rows_up_to(path: Path, step: int) -> None:
+    """Rewrite the metrics CSV ``path`` keeping its header and the rows of steps <= ``step``."""
+    if not path.is_file():
+        return
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    kept = rows[:1] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
+    if len(kept) != len(rows):
+        with path.open("w", newline="") as f:
+            csv.writer(f).writerows(kept)
+
+
 def run(
     config: RecipeConfig, *, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
 ) -> RunResult:
@@ -304,9 +353,10 @@ def run(
     check_model_sources(config)
     preflight(config, topo, num_layers_of(config) if topo.distributed else None)
     data = _data(config, topo, cache)  # before the group exists: a bad dataset stops every rank alike
+    plan = plan_resume(config, out / "checkpoints", restarts=restart_count(), lr_at=_lr_at)  # the same
     created = init_process_group(config, topo, device)
     try:
-        return _run(config, topo, device, out, cache, progress, data)
+        return _run(config, topo, device, out, cache, progress, data, plan)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
@@ -320,10 +370,17 @@ def _run(
     cache: Path,
     progress: bool,
     data: _Data,
+    plan: ResumePlan,
 ) -> RunResult:
     tokenizer, batches = data.tokenizer, data.batches
     ckpt_root = out / "checkpoints"
-    resume_from = latest_step(ckpt_root) if config.output.resume else None
+    if plan.wipe:  # output.overwrite: every rank has read the old checkpoints' state; now they go
+        if topo.rank == 0:
+            print(plan.note, flush=True)
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+        if topo.distributed:
+            dist.barrier()
+    resume_from = plan.step
     model = load_model(config, tokenizer, partial=topo.distributed)
     if topo.rank == 0 and (note := packing_note(model)):
         print(note, flush=True)
@@ -338,8 +395,8 @@ def _run(
             first = to_device(batches.batch(resume_from or 0), device)  # the run's first
 
             def probe_step(probe: Pipeline) -> None:
-                with _autocast(config, device, topo):
-                    _pipeline_step(probe, first)
+                with _autocast(config, device, topo):  # and the all-reduce a step ends with
+                    _agree(_pipeline_step(probe, first), 0.0, False, True, device)
 
             config, decision = choose_schedule(
                 config, model, topo, device, mesh, probe_step, out, reuse=resume_from is not None
@@ -367,7 +424,10 @@ def _run(
     if resume_from is not None:
         start = load_checkpoint(ckpt_root, module, optimizer)
         result.resumed_from = start
-    metrics = _Metrics(config, out, resumed=start > 0) if topo.rank == 0 else None
+        if topo.rank == 0 and plan.note:
+            print(plan.note, flush=True)
+    result.last_step = start
+    metrics = _Metrics(config, out, resumed=start > 0, start=start) if topo.rank == 0 else None
     bar = None
     if topo.rank == 0 and progress:
         from tqdm.auto import tqdm
@@ -384,71 +444,131 @@ def _run(
             group=pipeline.pp_group,
         )
     timeline_step = start + 1 if train.steps - start > 1 else start
+    meta = {"config": config.to_dict()}  # how a relaunch recognises this run's checkpoints
+    where = StepProgress()  # what this rank does now, for the stall report
+    untrack = track_actions(pipeline.schedule, where) if pipeline is not None else (lambda: None)
+    watchdog = None
+    if train.stall_timeout is not None:
+        report = _stall_reporter(where, pipeline, topo, float(train.stall_timeout))
+        watchdog = StallWatchdog(where, float(train.stall_timeout), report).start()
+    bad_in_a_row = 0
+    say = _say(topo, bar)
     try:
-        for step in range(start, train.steps):
-            if timeline is not None and step == timeline_step:
-                timeline.start()
-            batch = to_device(batches.batch(step), device)
-            lr = _lr_at(config, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            keys = pipeline.dropout if pipeline is not None else reference.dropout
-            keys.step = step  # dropout masks keyed to the step, not to the generator's history
-            began = time.perf_counter()
-            with _autocast(config, device, topo):
-                if pipeline is not None:
-                    loss = _pipeline_step(pipeline, batch)
-                else:
-                    reference.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
-                    loss = reference.step(batch)
-            if timeline is not None and step == timeline_step:
-                result.timeline_png = timeline.finish()
-            if pipeline is not None and pipeline.tied is not None:
-                pipeline.tied.sync_grads()
-            norm = _clip(pipeline, module, train.max_grad_norm)
-            optimizer.step()
-            elapsed = time.perf_counter() - began
-            tokens = int(batch["input_ids"].numel()) * topo.dp
-            tokens_seen += tokens
-            time_spent += elapsed
-            result.losses.append(loss)
-            result.grad_norms.append(float(norm))
-            values = {
-                "loss": loss,
-                "grad_norm": float(norm),
-                "lr": lr,
-                "tokens_per_s": tokens / elapsed,
-                "peak_memory_mib": _peak_memory_mib(device),
-            }
-            if metrics is not None:
-                metrics.log(step + 1, values)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
-                if config.output.log_every and (step + 1) % config.output.log_every == 0:
-                    line = (
-                        f"step {step + 1}/{train.steps}  loss {loss:.4f}  grad_norm {float(norm):.3f}  "
-                        f"lr {lr:.2e}  tokens/s {values['tokens_per_s']:.0f}  "
-                        f"peak_mem {values['peak_memory_mib']:.0f} MiB"
+        with StopRequest() as stop:
+            for step in range(start, train.steps):
+                where.step = step + 1
+                where.enter("loading the batch")
+                where.armed = True
+                if timeline is not None and step == timeline_step:
+                    timeline.start()
+                batch = to_device(batches.batch(step), device)
+                lr = _lr_at(config, step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.zero_grad(set_to_none=True)
+                keys = pipeline.dropout if pipeline is not None else reference.dropout
+                keys.step = step  # dropout masks keyed to the step, not to the generator's history
+                began = time.perf_counter()
+                with _autocast(config, device, topo):
+                    if pipeline is not None:
+                        local_loss = _pipeline_step(pipeline, batch)
+                    else:
+                        reference.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
+                        local_loss = torch.tensor(reference.step(batch), dtype=torch.float64)
+                if timeline is not None and step == timeline_step:
+                    result.timeline_png = timeline.finish()
+                if pipeline is not None and pipeline.tied is not None:
+                    where.enter("the tied weight's gradient all-reduce")
+                    pipeline.tied.sync_grads()
+                where.enter("the gradient norm (a collective over every rank)")
+                norm = _clip(pipeline, module, train.max_grad_norm)
+                where.enter("the loss all-reduce (every rank)")
+                loss, norm_ok, stopping = _agree(
+                    local_loss, float(norm), stop.requested, topo.distributed, device
+                )
+                if math.isfinite(loss) and norm_ok:
+                    where.enter("the optimizer step")
+                    optimizer.step()
+                    bad_in_a_row = 0
+                    result.last_step = step + 1
+                else:  # every rank decided alike: the values were all-reduced
+                    optimizer.zero_grad(set_to_none=True)  # nothing of this step reaches the weights
+                    bad_in_a_row += 1
+                    result.skipped_steps.append(step + 1)
+                    result.last_step = step + 1  # its batch and learning rate are used up
+                    what = _non_finite(loss, float(norm), norm_ok)
+                    say(f"finetune: step {step + 1} skipped: {what}")
+                where.armed = False
+                elapsed = time.perf_counter() - began
+                tokens = int(batch["input_ids"].numel()) * topo.dp
+                tokens_seen += tokens
+                time_spent += elapsed
+                result.losses.append(loss)
+                result.grad_norms.append(float(norm))
+                values = {
+                    "loss": loss,
+                    "grad_norm": float(norm),
+                    "lr": lr,
+                    "tokens_per_s": tokens / elapsed,
+                    "peak_memory_mib": _peak_memory_mib(device),
+                }
+                if metrics is not None:
+                    metrics.log(step + 1, values)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                    if config.output.log_every and (step + 1) % config.output.log_every == 0:
+                        line = (
+                            f"step {step + 1}/{train.steps}  loss {loss:.4f}  grad_norm {float(norm):.3f}  "
+                            f"lr {lr:.2e}  tokens/s {values['tokens_per_s']:.0f}  "
+                            f"peak_mem {values['peak_memory_mib']:.0f} MiB"
+                        )
+                        say(line)
+                if bad_in_a_row >= train.max_bad_steps:
+                    raise NonFiniteSteps(
+                        f"stopped after {bad_in_a_row} non-finite steps in a row (train.max_bad_steps="
+                        f"{train.max_bad_steps}; step {step + 1}: {what}); the weights are those after "
+                        f"step {step + 1 - bad_in_a_row}. Lower train.lr or set train.max_grad_norm, "
+                        "then --resume from the last checkpoint"
                     )
-                    (bar.write if bar is not None else print)(line)
-            if train.eval_every and (step + 1) % train.eval_every == 0 and step + 1 < train.steps:
-                _evaluate(config, data, pipeline, module, device, topo, step + 1, result, metrics, bar)
-            every = config.output.save_every
-            if every and (step + 1) % every == 0 and step + 1 < train.steps:
-                save_checkpoint(ckpt_root, step + 1, module, optimizer, keep=config.output.keep)
-        if start < train.steps:
-            save_checkpoint(ckpt_root, train.steps, module, optimizer, keep=config.output.keep)
-        if data.eval_batches is not None:  # the final evaluation, also after a resume that had nothing left
+                last = step + 1 == train.steps
+                if stopping and not last:
+                    where.enter("the preemption checkpoint")
+                    save_checkpoint(
+                        ckpt_root, step + 1, module, optimizer, keep=config.output.keep, meta=meta
+                    )
+                    result.preempted = stop.name or "a signal to another rank"
+                    say(
+                        f"finetune: stopped by {result.preempted} after step {step + 1} of {train.steps}; "
+                        f"checkpoint {ckpt_root / f'step_{step + 1:08d}'} written; run the same command "
+                        "again to continue"
+                    )
+                    break
+                if train.eval_every and (step + 1) % train.eval_every == 0 and not last:
+                    where.enter("evaluation")
+                    _evaluate(config, data, pipeline, module, device, topo, step + 1, result, metrics, bar)
+                every = config.output.save_every
+                if every and (step + 1) % every == 0 and not last:
+                    where.enter("a checkpoint")
+                    save_checkpoint(
+                        ckpt_root, step + 1, module, optimizer, keep=config.output.keep, meta=meta
+                    )
+            where.armed = False
+            if result.preempted is None and start < train.steps:  # a signal now is noted, not fatal
+                save_checkpoint(ckpt_root, train.steps, module, optimizer, keep=config.output.keep, meta=meta)
+        if result.preempted is None and data.eval_batches is not None:  # also when nothing was left
             _evaluate(config, data, pipeline, module, device, topo, train.steps, result, metrics, bar)
     finally:
+        where.armed = False
+        if watchdog is not None:
+            watchdog.stop()
+        untrack()
         if bar is not None:
             bar.close()
         if metrics is not None:
             metrics.close()
     result.tokens_per_s = tokens_seen / time_spent if time_spent else 0.0
-    if config.output.export:
+    if config.output.export and result.preempted is None:
         if config.lora is not None:
             result.export_dir, result.merged_dir = _export_lora(
                 config, model, pipeline, module, tokenizer, out, topo
@@ -461,6 +581,8 @@ def _run(
             "grad_norms": result.grad_norms,
             "schedule": result.schedule,
             "resumed_from": result.resumed_from,
+            "skipped_steps": result.skipped_steps,
+            "preempted": result.preempted,
             "tokens_per_s": result.tokens_per_s,
             "export_dir": str(result.export_dir) if result.export_dir else None,
             "merged_dir": str(result.merged_dir) if result.merged_dir else None,
@@ -519,8 +641,9 @@ def _clip(pipeline: Pipeline | None, module: nn.Module, max_norm: float | None) 
     return clip_grad_norm_(module.parameters(), max_norm, pipeline.mesh, skip=skip)
 
 
-def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> float:
-    """One schedule step; returns the step's loss (summed over microbatches) on every rank."""
+def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One schedule step; returns this rank's part of the step's loss (its microbatches' sum; zero on
+    ranks without the last stage), a float64 CPU scalar for `_agree` to all-reduce."""
     pipeline.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
     losses: list[torch.Tensor] = []
     kwargs = compat.no_output_kwargs(pipeline.schedule)  # the last stage's logits are not needed: losses are
@@ -534,9 +657,70 @@ def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> float:
         packed_rows=batch["packed_rows"],  # on the CPU: masks decided without reading the device
         **kwargs,
     )
-    local = torch.stack([loss.detach().float() for loss in losses]).sum().cpu() if losses else torch.zeros(())
-    dist.all_reduce(local)
-    return float(local)
+    if not losses:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([loss.detach().double() for loss in losses]).sum().cpu()
+
+
+def _agree(
+    local_loss: torch.Tensor, norm: float, stop: bool, distributed: bool, device: torch.device | None = None
+) -> tuple[float, bool, bool]:
+    """The step's loss, whether the gradient norm is finite on every rank, whether any rank was asked to
+    stop: one all-reduce over the whole job (the one the loss always took), so every rank decides alike.
+    """
+    flags = torch.stack(
+        [
+            local_loss.reshape(()).to(torch.float64),
+            torch.tensor(0.0 if math.isfinite(norm) else 1.0, dtype=torch.float64),
+            torch.tensor(1.0 if stop else 0.0, dtype=torch.float64),
+        ]
+    )
+    if distributed:
+        if device is not None and device.type == "cuda":  # NCCL reduces device tensors only
+            flags = flags.to(device)
+        dist.all_reduce(flags)
+    loss, bad_norm, stopping = flags.tolist()  # the step's one host read of collective results
+    return loss, bad_norm == 0, stopping > 0
+
+
+def _non_finite(loss: float, norm: float, norm_ok: bool) -> str:
+    """``loss nan`` / ``grad norm inf`` / both: what made a step non-finite."""
+    parts = [f"loss {loss}"] if not math.isfinite(loss) else []
+    if not norm_ok:
+        parts.append(f"grad norm {norm if not math.isfinite(norm) else 'nan on another rank'}")
+    return ", ".join(parts)
+
+
+def _say(topo: Topology, bar: Any) -> Any:
+    """Print a line on rank 0 (through the progress bar when there is one); other ranks stay quiet."""
+
+    def say(line: str) -> None:
+        if topo.rank == 0:
+            (bar.write if bar is not None else print)(line)
+            sys.stdout.flush()
+
+    return say
+
+
+def _stall_reporter(where: StepProgress, pipeline: Pipeline | None, topo: Topology, timeout: float) -> Any:
+    """What the watchdog does on a stall: print where this rank waits, give the other ranks a few seconds
+    to print theirs (a rank that ended first would turn their wait into a connection error), exit."""
+    ranks = dist.get_process_group_ranks(pipeline.pp_group) if pipeline is not None else [topo.rank]
+
+    def report() -> None:
+        peer = None
+        if pipeline is not None:
+            peer = waiting_peer(pipeline.schedule, where.action, lambda r: ranks[r])
+        print(
+            f"finetune: rank {topo.rank} stalled at step {where.step} {describe(where, peer)}: no progress "
+            f"for {timeout:g} s (train.stall_timeout); ending the job",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(min(5.0, timeout))
+        os._exit(EXIT_STALLED)
+
+    return report
 
 
 def _export(

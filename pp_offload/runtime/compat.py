@@ -59,6 +59,7 @@ __all__ = [
     "TorchAction",
     "TorchDispatchMode",
     "action_kind",
+    "action_parts",
     "check_compile_compatibility",
     "share_weight_pass_recomputation",
     "views_share_version",
@@ -70,6 +71,7 @@ __all__ = [
     "runtime_init_kwargs",
     "schedule_ops",
     "schedule_stages",
+    "stage_group_ranks",
     "stage_backward",
     "stage_backward_input",
     "stage_backward_weight",
@@ -278,6 +280,20 @@ def schedule_stages(schedule: _PipelineScheduleRuntime) -> list[Any]:
     if stage is None:
         raise TypeError(f"{type(schedule).__name__} is not a pipeline schedule (it holds no stages)")
     return [stage]
+
+
+def stage_group_ranks(schedule: Any) -> dict[int, int]:
+    """Stage index -> the rank (within the pipeline group) that holds it; empty when the schedule does not
+    say (torch's single-stage schedules)."""
+    mapping = getattr(schedule, "stage_index_to_group_rank", None)
+    return dict(mapping) if mapping else {}
+
+
+def action_parts(action: Any) -> tuple[int, str, int | None]:
+    """``(stage_index, kind, microbatch_index)`` of a torch action; ``kind`` as printed (``F``,
+    ``RECV_F``, ``OFFLOAD``...)."""
+    kind = action.computation_type
+    return action.stage_index, str(kind.value), action.microbatch_index
 
 
 def wrap_step_microbatches(schedule: Any, wrapper: Callable[..., Any]) -> Callable[[], None]:
