@@ -255,16 +255,18 @@ def _stalls(rank: int, world: int, config: dict, cache: str, logs: str) -> None:
 
 
 def _hang_in_forward(hang) -> None:  # noqa: ANN001
-    """Rank 1's next forward chunk hangs: rank 0 then waits in a receive from rank 1."""
-    from torch.distributed.pipelining.stage import _PipelineStageBase
+    """Rank 1's next stage forward hangs (inside its forward chunk, as a slow or stuck kernel would): rank
+    0 then waits in a receive from rank 1. The stage module's class is patched, not the pipeline stage's
+    methods: those may be wrapped per instance (dropout keys, timing) before the patch."""
+    from pp_offload.models.split import CausalLMStage
 
-    real = _PipelineStageBase.forward_one_chunk
+    real = CausalLMStage.forward
 
     def forward(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         hang()
         return real(self, *args, **kwargs)
 
-    _PipelineStageBase.forward_one_chunk = forward
+    CausalLMStage.forward = forward
 
 
 def test_stalled_rank_every_rank_says_where_it_waits(tmp_path: Path, cache: str) -> None:
