@@ -111,6 +111,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 _HINTS = {
     "data.prompt_template": "quote it in YAML: an unquoted {prompt} is read as a mapping",
     "pipeline.memory_limit": "a fraction of 1F1B's activation memory, e.g. 0.5",
+    "train.max_bad_steps": "consecutive non-finite steps skipped before the run stops",
+    "train.stall_timeout": "seconds a step may make no progress; null: no stall watch",
 }
 
 

@@ -134,7 +134,6 @@ def _check(config: RecipeConfig) -> None:
         checkpointing_mode(train.activation_checkpointing)
     except ValueError as error:
         raise ConfigError(f"train.activation_checkpointing: {error}") from None
-    _check_reliability(train)
     if train.eval_every < 0:
         raise ConfigError(
             f"train.eval_every must be >= 0 (0: evaluate only at the end), got {train.eval_every}"
@@ -151,22 +150,6 @@ def _check(config: RecipeConfig) -> None:
     unknown = set(config.output.metrics) - {"csv", "tensorboard"}
     if unknown:
         raise ConfigError(f"output.metrics may hold csv and tensorboard, got {sorted(unknown)}")
-
-
-def _check_reliability(train: Any) -> None:
-    bad = train.max_bad_steps
-    if isinstance(bad, bool) or not isinstance(bad, int) or bad < 1:
-        raise ConfigError(
-            f"train.max_bad_steps={bad!r} must be an int >= 1 (consecutive non-finite steps skipped before "
-            "the run stops)"
-        )
-    stall = train.stall_timeout
-    if stall is not None and (
-        isinstance(stall, bool) or not isinstance(stall, (int, float)) or not stall > 0
-    ):
-        raise ConfigError(
-            f"train.stall_timeout={stall!r} must be a number of seconds > 0, or null (no stall watch)"
-        )
 
 
 @dataclass
