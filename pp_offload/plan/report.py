@@ -134,13 +134,8 @@ def recipe_yaml(result: PlanResult, candidate: Candidate | None = None, *, model
     return "\n".join(lines)
 
 
-def format_summary(
-    result: PlanResult, *, model: str | None = None, alternatives: int = 5, reason: bool = True
-) -> str:
-    """The answer in a screenful: the setting, the pick with its figures, up to ``alternatives`` runners-up
-    (near ties, within `NEAR_TIE` of its step time, named so), one line of why, and the recipe YAML that
-    applies the pick. When nothing fits: the closest candidates and, with ``reason``, what would fit (the
-    command line prints that as its error instead)."""
+def _setting_lines(result: PlanResult) -> list[str]:
+    """The heading both outputs start with: the model, the run's shape and the machine, then a blank line."""
     s, m = result.settings, result.machine
     lines = _wrap(f"pp-offload plan: {s['model']}")
     lines += _wrap(
@@ -150,6 +145,18 @@ def format_summary(
         f"{s['gpu_memory_gib']:g} GiB per GPU"
     )
     lines.append("")
+    return lines
+
+
+def format_summary(
+    result: PlanResult, *, model: str | None = None, alternatives: int = 5, reason: bool = True
+) -> str:
+    """The answer in a screenful: the setting, the pick with its figures, up to ``alternatives`` runners-up
+    (near ties, within `NEAR_TIE` of its step time, named so), one line of why, and the recipe YAML that
+    applies the pick. When nothing fits: the closest candidates and, with ``reason``, what would fit (the
+    command line prints that as its error instead)."""
+    s = result.settings
+    lines = _setting_lines(result)
     best = result.recommended
     ref = _reference(result)
     limit = s["gpu_memory_gib"]
@@ -233,15 +240,7 @@ def format_table(result: PlanResult) -> str:
     """Every candidate, ranked (``--all``): one table row each (rows are as wide as the table), the
     candidates not replayed and never recommended by reason, the pick and why, the columns' meaning and the
     model's assumptions, prose wrapped to `WIDTH`."""
-    s, m = result.settings, result.machine
-    lines = _wrap(f"pp-offload plan: {s['model']}")
-    lines += _wrap(
-        f"seq {s['seq_len']} x microbatch {s['microbatch_size']}, {s['num_microbatches']} microbatches, "
-        f"pp {s['pp']}, dp {s['dp']}{' (sharded optimizer)' if s['dp_shard'] else ''}, {s['dtype']}; "
-        f"{m.name}: {m.flops / 1e12:g} TFLOP/s x MFU {m.mfu:g}, host link {m.host_bandwidth / 1e9:g} GB/s, "
-        f"{s['gpu_memory_gib']:g} GiB per GPU"
-    )
-    lines.append("")
+    lines = _setting_lines(result)
     ref = _reference(result)
     head = (
         f"{'#':>3}  {'schedule':<31}{'offload':<16}{'recompute':<10}{'step ms':>9}{'bubble':>8}"
