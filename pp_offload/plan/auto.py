@@ -181,7 +181,8 @@ class AutoDecision:
     """Activation recompute of the decoder layers the prediction assumes (``"none"``, ``"selective"``,
     ``"full"``): what the recipe's ``train.activation_checkpointing`` must apply."""
     stage_costs: list[list[float]] | None = None
-    """Per stage, its F, I, W per chunk (ms): what ``choose`` placed offload with (``Costs.stages``). The
+    """Per stage, its F, I, W per chunk (ms), and where I and W both recompute the time a full backward runs
+    once (``Costs.stages``): what ``choose`` placed offload with. The
     order is built from ``costs`` alone."""
     offload_inputs: dict[str, Any] | None = None
     """When the pick offloads: everything ``choose`` placed its offload with
