@@ -379,7 +379,7 @@ def _run(
 
             def probe_step(probe: Pipeline) -> None:
                 with _autocast(config, device, topo):  # and the all-reduce a step ends with
-                    _agree(_pipeline_step(probe, first), 0.0, False, True, device)
+                    _agree(_pipeline_step(probe, first), torch.zeros(()), False, True, device)
 
             config, decision = choose_schedule(
                 config, model, topo, device, mesh, probe_step, out, reuse=resume_from is not None
@@ -464,10 +464,10 @@ def _run(
                     where.enter("the tied weight's gradient all-reduce")
                     pipeline.tied.sync_grads()
                 where.enter("the gradient norm (a collective over every rank)")
-                norm = _clip(pipeline, module, train.max_grad_norm)
+                norm_tensor = _clip(pipeline, module, train.max_grad_norm)
                 where.enter("the loss all-reduce (every rank)")
-                loss, norm_ok, stopping = _agree(
-                    local_loss, float(norm), stop.requested, topo.distributed, device
+                loss, norm, norm_ok, stopping = _agree(
+                    local_loss, norm_tensor, stop.requested, topo.distributed, device
                 )
                 if math.isfinite(loss) and norm_ok:
                     where.enter("the optimizer step")
@@ -479,7 +479,7 @@ def _run(
                     bad_in_a_row += 1
                     result.skipped_steps.append(step + 1)
                     result.last_step = step + 1  # its batch and learning rate are used up
-                    what = _non_finite(loss, float(norm), norm_ok)
+                    what = _non_finite(loss, norm, norm_ok)
                     say(f"finetune: step {step + 1} skipped: {what}")
                 where.armed = False
                 elapsed = time.perf_counter() - began
@@ -487,10 +487,10 @@ def _run(
                 tokens_seen += tokens
                 time_spent += elapsed
                 result.losses.append(loss)
-                result.grad_norms.append(float(norm))
+                result.grad_norms.append(norm)
                 values = {
                     "loss": loss,
-                    "grad_norm": float(norm),
+                    "grad_norm": norm,
                     "lr": lr,
                     "tokens_per_s": tokens / elapsed,
                     "peak_memory_mib": _peak_memory_mib(device),
@@ -502,7 +502,7 @@ def _run(
                         bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
                     if config.output.log_every and (step + 1) % config.output.log_every == 0:
                         line = (
-                            f"step {step + 1}/{train.steps}  loss {loss:.4f}  grad_norm {float(norm):.3f}  "
+                            f"step {step + 1}/{train.steps}  loss {loss:.4f}  grad_norm {norm:.3f}  "
                             f"lr {lr:.2e}  tokens/s {values['tokens_per_s']:.0f}  "
                             f"peak_mem {values['peak_memory_mib']:.0f} MiB"
                         )
@@ -626,7 +626,8 @@ def _clip(pipeline: Pipeline | None, module: nn.Module, max_norm: float | None) 
 
 def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """One schedule step; returns this rank's part of the step's loss (its microbatches' sum; zero on
-    ranks without the last stage), a float64 CPU scalar for `_agree` to all-reduce."""
+    ranks without the last stage), a float64 scalar where the losses are, for `_agree` to all-reduce
+    (no host read here: `_agree` reads the step's figures once)."""
     pipeline.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
     losses: list[torch.Tensor] = []
     kwargs = compat.no_output_kwargs(pipeline.schedule)  # the last stage's logits are not needed: losses are
@@ -642,28 +643,32 @@ def _pipeline_step(pipeline: Pipeline, batch: dict[str, torch.Tensor]) -> torch.
     )
     if not losses:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack([loss.detach().double() for loss in losses]).sum().cpu()
+    return torch.stack([loss.detach().double() for loss in losses]).sum()
 
 
 def _agree(
-    local_loss: torch.Tensor, norm: float, stop: bool, distributed: bool, device: torch.device | None = None
-) -> tuple[float, bool, bool]:
-    """The step's loss, whether the gradient norm is finite on every rank, whether any rank was asked to
-    stop: one all-reduce over the whole job (the one the loss always took), so every rank decides alike.
-    """
+    local_loss: torch.Tensor,
+    norm: torch.Tensor,
+    stop: bool,
+    distributed: bool,
+    device: torch.device | None = None,
+) -> tuple[float, float, bool, bool]:
+    """The step's loss, this rank's gradient norm, whether that norm is finite on every rank, whether any
+    rank was asked to stop: one all-reduce over the whole job (the one the loss always took), so every
+    rank decides alike, and one host read of all four at the end of the step."""
+    where = device if device is not None and device.type == "cuda" else torch.device("cpu")  # NCCL: device
+    norm = norm.detach().reshape(()).to(where, torch.float64)
     flags = torch.stack(
         [
-            local_loss.reshape(()).to(torch.float64),
-            torch.tensor(0.0 if math.isfinite(norm) else 1.0, dtype=torch.float64),
-            torch.tensor(1.0 if stop else 0.0, dtype=torch.float64),
+            local_loss.detach().reshape(()).to(where, torch.float64),
+            (~torch.isfinite(norm)).to(torch.float64),
+            torch.tensor(1.0 if stop else 0.0, dtype=torch.float64, device=where),
         ]
     )
     if distributed:
-        if device is not None and device.type == "cuda":  # NCCL reduces device tensors only
-            flags = flags.to(device)
         dist.all_reduce(flags)
-    loss, bad_norm, stopping = flags.tolist()  # the step's one host read of collective results
-    return loss, bad_norm == 0, stopping > 0
+    loss, bad_norm, stopping, own_norm = torch.cat([flags, norm.reshape(1)]).tolist()
+    return loss, own_norm, bad_norm == 0, stopping > 0
 
 
 def _non_finite(loss: float, norm: float, norm_ok: bool) -> str:
