@@ -81,6 +81,8 @@ __all__ = [
     "supports_loss_kwargs",
     "to_torch_action",
     "to_torch_order",
+    "STAGE_COMPUTE_METHODS",
+    "wrap_stage_compute",
     "wrap_step_microbatches",
 ]
 
@@ -316,6 +318,35 @@ def wrap_step_microbatches(schedule: Any, wrapper: Callable[..., Any]) -> Callab
             schedule._step_microbatches = previous
         else:
             vars(schedule).pop("_step_microbatches", None)
+
+    return undo
+
+
+STAGE_COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+"""The methods of torch's ``PipelineStage`` through which every compute action runs (F, I or B, W)."""
+
+
+def wrap_stage_compute(
+    stages: Iterable[Any], wrap: Callable[[Callable[..., Any]], Any]
+) -> Callable[[], None]:
+    """Route each of ``stages``' compute methods (`STAGE_COMPUTE_METHODS`) through ``wrap(method)``, as
+    instance attributes over whatever the stage had (earlier wrappers stay underneath). Returns an undo
+    that gives each stage back the instance attributes it had before (undo in reverse order of wrapping
+    when several are stacked)."""
+    saved: list[tuple[Any, dict[str, Any]]] = []
+    for stage in stages:
+        before = {name: vars(stage).get(name) for name in STAGE_COMPUTE_METHODS}
+        for name in STAGE_COMPUTE_METHODS:
+            setattr(stage, name, wrap(getattr(stage, name)))
+        saved.append((stage, before))
+
+    def undo() -> None:
+        for stage, before in reversed(saved):
+            for name, value in before.items():
+                if value is None:
+                    vars(stage).pop(name, None)
+                else:
+                    setattr(stage, name, value)
 
     return undo
 

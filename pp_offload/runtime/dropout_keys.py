@@ -154,11 +154,9 @@ def key_schedule(schedule: Any, keys: DropoutKeys, *, microbatch_offset: int = 0
     id while they run."""
     from pp_offload.runtime import compat
 
-    for stage in compat.schedule_stages(schedule):
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            original = getattr(stage, name, None)
-            if original is not None:
-                setattr(stage, name, _running(original, keys, microbatch_offset))
+    compat.wrap_stage_compute(
+        compat.schedule_stages(schedule), lambda method: _running(method, keys, microbatch_offset)
+    )
 
 
 def key_pipeline_dropout(split: Any, schedule: Any, *, seed: int, offset: int = 0) -> DropoutKeys:

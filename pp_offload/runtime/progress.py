@@ -29,7 +29,6 @@ __all__ = ["StallWatchdog", "StepProgress", "describe", "track_actions", "waitin
 
 _SEND_RECV_PEER = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}  # neighbour stage offset
 _WAITS_FOR = {"F": -1, "I": 1, "B": 1}  # compute actions that wait for a posted receive
-_STAGE_COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 class StepProgress:
@@ -75,37 +74,29 @@ def track_actions(schedule: Any, progress: StepProgress) -> Callable[[], None]:
         order = compat.lowered_order(schedule)
         actions = order[rank]
         order[rank] = _TrackedActions(actions, progress)
-        stages = compat.schedule_stages(schedule)
-        saved = [_mark_computing(stage, progress) for stage in stages]
+        unmark = compat.wrap_stage_compute(compat.schedule_stages(schedule), _marking_computing(progress))
         progress.enter("pipeline schedule")
         try:
             return step_microbatches(*args, **kwargs)
         finally:
             order[rank] = actions
-            for stage, methods in reversed(list(zip(stages, saved, strict=True))):
-                for name, value in methods.items():
-                    if value is None:
-                        vars(stage).pop(name, None)
-                    else:
-                        setattr(stage, name, value)
+            unmark()
 
     return compat.wrap_step_microbatches(schedule, tracked_step)
 
 
-def _mark_computing(stage: Any, progress: StepProgress) -> dict[str, Any]:
-    """Route the stage's compute methods through a wrapper that notes the computation began (its input,
-    if any, has arrived); returns the instance attributes to restore (None: there was none)."""
-    saved: dict[str, Any] = {}
-    for name in _STAGE_COMPUTE_METHODS:
-        saved[name] = vars(stage).get(name)
-        method = getattr(stage, name)
+def _marking_computing(progress: StepProgress) -> Callable[[Any], Any]:
+    """A wrapper for a stage's compute method that notes the computation began (its input, if any, has
+    arrived)."""
 
-        def marked(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+    def wrap(method: Any) -> Any:
+        def marked(*args: Any, **kwargs: Any) -> Any:
             progress.computing = True
-            return _method(*args, **kwargs)
+            return method(*args, **kwargs)
 
-        setattr(stage, name, marked)
-    return saved
+        return marked
+
+    return wrap
 
 
 class _TrackedActions(list):

@@ -58,7 +58,6 @@ _COMPUTE_KINDS = frozenset({"F", "I", "W", "B"})
 _COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
 _COPY_KINDS = frozenset({"OFFLOAD", "RELOAD"})
 _ACTION_RE = re.compile(r"^(\d+)([A-Z_]+?)(\d*)$")
-_STAGE_COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 class ActionEvent(NamedTuple):
@@ -169,25 +168,12 @@ class ActionTimer:
         order = compat.lowered_order(self.schedule)
         actions = order[self.rank]
         order[self.rank] = _TimedActions(actions, self)
-        originals = [self._hook_stage(stage) for stage in compat.schedule_stages(self.schedule)]
+        unhook = compat.wrap_stage_compute(compat.schedule_stages(self.schedule), self._mark_compute_start)
         try:
             return step_microbatches(*args, **kwargs)
         finally:
             order[self.rank] = actions
-            stages = compat.schedule_stages(self.schedule)
-            for stage, saved in reversed(list(zip(stages, originals, strict=True))):
-                for name, value in saved.items():
-                    if value is None:
-                        vars(stage).pop(name, None)
-                    else:
-                        setattr(stage, name, value)
-
-    def _hook_stage(self, stage: Any) -> dict[str, Any]:
-        saved: dict[str, Any] = {}
-        for name in _STAGE_COMPUTE_METHODS:
-            saved[name] = vars(stage).get(name)
-            setattr(stage, name, self._mark_compute_start(getattr(stage, name)))
-        return saved
+            unhook()
 
     def _mark_compute_start(self, method: Any) -> Any:
         def marked(*args: Any, **kwargs: Any) -> Any:
