@@ -13,7 +13,9 @@ Every schedule x recompute mode (none, full, selective, mlp) is built fresh and 
 warm-up step, then 5 (``--quick``: 3) steps, each the slowest rank's time; the fastest is reported (on a
 shared machine the fastest step is the one least disturbed by other work), and the ratio to the same
 schedule without recompute. ``full (torch W)`` is full recompute with torch's own weight pass
-(one recomputation per parameter group): the cost before the fix, measured in the same run.
+(one recomputation per parameter group): the cost before the fix, measured in the same run. ``+once``
+rows recompute once per microbatch (I keeps what it recomputed for W, `pp_offload.runtime.recompute_once`):
+the time that keeping the layer's activations from I to W buys.
 
 Counted on one more step of each cell (not timed): host-synchronizing ops in ``schedule.step``
 (`pp_offload.runtime.step_counts.SyncCounter`) and runs of each checkpointed module per microbatch
@@ -43,7 +45,7 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B")
-MODES = ("none", "full", "selective", "mlp", "full (torch W)")
+MODES = ("none", "full", "selective", "mlp", "full+once", "selective+once", "full (torch W)")
 
 
 def _config(quick: bool) -> dict[str, Any]:
@@ -194,7 +196,7 @@ def _predict(rank: int, cfg: dict[str, Any], m: int) -> dict[str, dict[tuple[str
             microbatch_size=1,
             machine=machine,
             dtype="fp32",
-            modes=("full", "selective", "mlp"),
+            modes=tuple(m for m in MODES if m != "none" and " " not in m),
         )
         decision = choose(
             measured, num_microbatches=m, schedules=list(SCHEDULES), offload=["none"], recompute=options

@@ -43,7 +43,7 @@ PASSES = ("F", "I", "W", "B")
 """A stage's passes for one microbatch: forward, input-gradient, weight-gradient, full backward."""
 
 
-def recomputations(kind: str, *, first_stage: bool = False) -> int:
+def recomputations(kind: str, *, first_stage: bool = False, once: bool = False) -> int:
     """How many times one pass of ``kind`` re-runs each recomputed layer of its stage, for one microbatch.
 
     The one rule the runtime follows and the planner charges (``tests/test_recompute_counts.py`` counts the
@@ -57,10 +57,16 @@ def recomputations(kind: str, *, first_stage: bool = False) -> int:
       whole backward at W: 0 at I, 1 at W.
 
     So with split backward a recomputed layer runs 3 times per microbatch (F, I, W), with a full backward
-    twice (F, B)."""
+    twice (F, B).
+
+    ``once`` (a ``+once`` plan, `pp_offload.runtime.recompute_once`): I recomputes and keeps what it
+    recomputed for W, which recomputes nothing (0 at W); on torch's first stage W is the one backward
+    pass and recomputes once. So a layer runs twice per microbatch whatever the schedule."""
     if kind not in PASSES:
         raise ValueError(f"pass kind must be one of {', '.join(PASSES)}, got {kind!r}")
     if kind == "F" or (kind == "I" and first_stage):
+        return 0
+    if kind == "W" and once and not first_stage:
         return 0
     return 1
 
@@ -107,6 +113,13 @@ RECOMPUTE_FORMS: tuple[RecomputeForm, ...] = (
         "selective:0.75,mlp",
         "The first mode on that share of each stage's layers, the second on the others.",
     ),
+    RecomputeForm(
+        "<plan>+once",
+        "selective+once",
+        "Any plan above, recomputing once per microbatch under split backward: the input-gradient pass "
+        "keeps what it recomputed for the weight pass (the layer's activations stay on the device from "
+        "I to W) instead of each pass recomputing.",
+    ),
 )
 """Every form `parse_recompute` reads, in one place: its error message lists them, and the recipe's config
 reference (`pp_offload.recipe.config_doc`) renders them as the table of recompute plans."""
@@ -120,6 +133,9 @@ class RecomputePlan:
     mode: str
     share: float = 1.0
     rest: str = "none"
+    once: bool = False
+    """Recompute once per microbatch under split backward, keeping I's recomputed tensors for W
+    (`recomputations`, `pp_offload.runtime.recompute_once`)."""
 
     def __post_init__(self) -> None:
         for mode in (self.mode, self.rest):
@@ -136,6 +152,8 @@ class RecomputePlan:
                 f"recompute {self.mode}:{self.share:g},{self.rest}: a mode for the other layers needs a "
                 "share below 1 and a first mode other than it and than 'none'"
             )
+        if self.once and self.mode == "none":
+            raise ValueError("recompute none+once: '+once' applies to a plan that recomputes; drop it")
 
     @property
     def uniform(self) -> bool:
@@ -146,9 +164,10 @@ class RecomputePlan:
     def label(self) -> str:
         """The plan as a string `parse_recompute` reads back: ``"selective"``, ``"selective:0.75"``,
         ``"selective:0.75,mlp"``."""
+        once = "+once" if self.once else ""
         if self.uniform:
-            return self.mode
-        return f"{self.mode}:{self.share:g}" + (f",{self.rest}" if self.rest != "none" else "")
+            return self.mode + once
+        return f"{self.mode}:{self.share:g}" + (f",{self.rest}" if self.rest != "none" else "") + once
 
     def count(self, layers: int) -> int:
         """How many of a stage's ``layers`` decoder layers get ``mode``: the first ``ceil(share x layers)``
@@ -165,11 +184,23 @@ class RecomputePlan:
 
 def parse_recompute(value: str | RecomputePlan) -> RecomputePlan:
     """``"none"``, ``"mlp"``, ``"selective"``, ``"full"``, one of the last three with a share,
-    ``"selective:0.75"``, and another mode for the other layers after a comma, ``"selective:0.75,mlp"``.
-    ValueError naming the forms otherwise."""
+    ``"selective:0.75"``, and another mode for the other layers after a comma, ``"selective:0.75,mlp"``;
+    any of them but ``none`` with ``+once``. ValueError naming the forms otherwise."""
     if isinstance(value, RecomputePlan):
         return value
-    text, comma, rest = str(value).strip().lower().partition(",")
+    text = str(value).strip().lower()
+    base, plus, suffix = text.partition("+")
+    if plus:
+        if suffix.strip() != "once":
+            raise ValueError(
+                f"recompute {value!r}: the only modifier after '+' is 'once' ('selective+once'), got "
+                f"{suffix.strip()!r}"
+            )
+        plan = parse_recompute(base)
+        if plan.mode == "none":
+            raise ValueError(f"recompute {value!r}: '+once' applies to a plan that recomputes; drop it")
+        return RecomputePlan(plan.mode, plan.share, plan.rest, once=True)
+    text, comma, rest = text.partition(",")
     if comma:
         first = parse_recompute(text)
         return RecomputePlan(first.mode, first.share, rest.strip())
@@ -180,7 +211,8 @@ def parse_recompute(value: str | RecomputePlan) -> RecomputePlan:
             + ", ".join(f"'{f.form}'" for f in RECOMPUTE_FORMS)
             + " (e.g. 'selective:0.75' for the first three quarters of each stage's layers, "
             "'selective:0.75,mlp' for another mode on the others; 'mlp': recompute the MLP's activation and "
-            "product, 'selective': every elementwise op, 'full': the whole layer)"
+            "product, 'selective': every elementwise op, 'full': the whole layer; '+once' after any of them: "
+            "recompute once per microbatch under split backward)"
         )
     if not sep:
         return RecomputePlan(mode)

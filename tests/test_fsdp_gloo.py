@@ -559,8 +559,9 @@ def test_build_mesh_needs_a_process_group() -> None:
 def test_hot_path_under_fsdp(schedule: str, offload: str | None, plan: str) -> None:
     """Under PP x FSDP2 too, the second step makes no host-synchronizing call and each checkpointed module
     runs as `pp_offload.recompute_plan.recomputations` says (forward + I + W, torch's first stage forward +
-    W; a full backward once), after an SGD step, with the second step's gradients still exact."""
-    from pp_offload.recompute_plan import recomputations
+    W; a full backward once; a ``+once`` plan forward + I), after an SGD step, with the second step's
+    gradients still exact."""
+    from pp_offload.recompute_plan import parse_recompute, recomputations
     from pp_offload.runtime.catalog import schedule_info
 
     results = [r[("counted", schedule, offload, plan)] for r in _matrix()]
@@ -572,5 +573,6 @@ def test_hot_path_under_fsdp(schedule: str, offload: str | None, plan: str) -> N
         for module, count in result["runs"].items():
             first = module in result["first_stage_modules"]
             kinds = ("I", "W") if split else ("B",)
-            want = MICROBATCHES * (1 + sum(recomputations(k, first_stage=first) for k in kinds))
+            once = parse_recompute(plan).once
+            want = MICROBATCHES * (1 + sum(recomputations(k, first_stage=first, once=once) for k in kinds))
             assert count == want, f"rank {rank} {module}: {count} runs, want {want}"

@@ -9,8 +9,8 @@ On the second step (the first builds the schedule's buffers) it counts:
   packed-sequence check);
 - runs of each checkpointed module per microbatch: the forward plus the recomputations of
   `pp_offload.recompute_plan.recomputations` (split backward: 3, or 2 on torch's first stage, which runs its
-  whole backward at W; full backward: 2). Before W shared one recomputation over its parameter groups, a
-  checkpointed Llama layer ran 11 times.
+  whole backward at W; full backward: 2; a ``+once`` plan: 2 whatever the schedule). Before W shared one
+  recomputation over its parameter groups, a checkpointed Llama layer ran 11 times.
 
 The step's loss must equal the unsplit model's on the same packed rows, so the host-decided masks are the
 masks transformers builds.
@@ -52,6 +52,8 @@ CELLS = (  # (offload, recompute)
     (None, "selective"),
     (None, "mlp"),
     ("full", "selective"),
+    (None, "full+once"),
+    ("full", "selective+once"),
 )
 
 
@@ -205,7 +207,7 @@ def test_losses_equal_the_unsplit_model_on_packed_rows(schedule: str) -> None:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_each_checkpointed_module_recomputes_once_per_pass(schedule: str) -> None:
-    from pp_offload.recompute_plan import recomputations
+    from pp_offload.recompute_plan import parse_recompute, recomputations
 
     for rank, result in enumerate(_run()):
         for offload, recompute in CELLS:
@@ -218,8 +220,10 @@ def test_each_checkpointed_module_recomputes_once_per_pass(schedule: str) -> Non
                 stage = cell["stage_of"][module]
                 passes = cell["passes"][stage]
                 assert passes.count("F") == MICROBATCHES
+                once = parse_recompute(recompute).once
                 want = sum(
-                    1 if kind == "F" else recomputations(kind, first_stage=stage == 0) for kind in passes
+                    1 if kind == "F" else recomputations(kind, first_stage=stage == 0, once=once)
+                    for kind in passes
                 )
                 assert count == want, (
                     f"rank {rank} {schedule} recompute={recompute} offload={offload}: {module} ran {count} "

@@ -41,15 +41,19 @@ class StageBytes:
         plan on a share of the layers, `pp_offload.recompute_plan`; the first layer reading its receive
         buffer): a moved layer ``i`` then carries ``per_layer[i]`` off the device, and ``layer`` is only the
         size its copy time is taken from. ``None``: every layer carries ``layer``.
+    held_after_input: what a ``+once`` recompute plan recomputes in the input-gradient pass and keeps for
+        the weight pass (`pp_offload.runtime.recompute_once`), on the device from the start of I to the end
+        of W; 0 otherwise (a full backward B recomputes and frees within the pass).
     """
 
     saved: int
     resident: int = 0
     layer: int = 0
     per_layer: tuple[int, ...] | None = None
+    held_after_input: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("saved", "resident", "layer"):
+        for name in ("saved", "resident", "layer", "held_after_input"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"StageBytes.{name} must be an int >= 0 (bytes), got {value!r}")
@@ -211,7 +215,8 @@ def activation_peaks(
     """Per rank (sorted), the peak of the device-resident activation bytes over ``sim``'s timeline.
 
     A chunk holds its stage's ``total`` from the start of its F; ``resident`` leaves when its I (or B) ends,
-    ``saved`` when its W (or B) ends. An offloaded whole chunk's ``saved`` is off the device from the end
+    ``saved`` when its W (or B) ends; ``held_after_input`` (a ``+once`` recompute plan) is held from the
+    start of its I to the end of its W. An offloaded whole chunk's ``saved`` is off the device from the end
     of its OFFLOAD to the start of its RELOAD; a chunk in ``layered`` (budget offload) moves per layer
     instead: each moved layer's bytes (`StageBytes.moved_bytes`) from the end of its own copy out to the
     start of its own copy back (``sim.layer_transfers``).
@@ -263,8 +268,10 @@ def _events(
             events.append((start, b.total, False))
         elif kind == I:
             events.append((finish, -b.resident, False))
+            if b.held_after_input:
+                events.append((start, b.held_after_input, False))
         elif kind == W:
-            events.append((finish, -b.saved, False))
+            events.append((finish, -b.saved - b.held_after_input, False))
         elif kind == B:
             events.append((finish, -b.total, False))
     for action, index, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):

@@ -325,6 +325,18 @@ def _selective(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_context(), **kwargs)
 
 
+def _checkpointed_once(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    from pp_offload.runtime.recompute_once import checkpoint_once
+
+    return checkpoint_once(forward, *args, **kwargs)
+
+
+def _selective_once(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    from pp_offload.runtime.recompute_once import checkpoint_once
+
+    return checkpoint_once(forward, *args, context_fn=_selective_context(), **kwargs)
+
+
 @functools.cache
 def _selective_context() -> Callable[[], Any]:
     from pp_offload.runtime.recompute import selective_checkpoint_context
@@ -332,7 +344,17 @@ def _selective_context() -> Callable[[], Any]:
     return selective_checkpoint_context()
 
 
-_WRAPPERS = {"full": _checkpointed, "selective": _selective, "mlp": _selective}
+_WRAPPERS: dict[tuple[str, bool], Callable[..., Any]] = {
+    ("full", False): _checkpointed,
+    ("selective", False): _selective,
+    ("mlp", False): _selective,
+    ("full", True): _checkpointed_once,
+    ("selective", True): _selective_once,
+    ("mlp", True): _selective_once,
+}
+"""The forward wrapper of each (mode, once) (`pp_offload.recompute_plan.RecomputePlan.once`)."""
+
+_NOT_WRAPPED = ("none", False)
 
 
 def _target(layer: nn.Module, mode: str) -> nn.Module:
@@ -349,15 +371,25 @@ def _target(layer: nn.Module, mode: str) -> nn.Module:
     return mlp
 
 
-def _current_mode(layer: nn.Module) -> str:
-    """How ``layer`` is checkpointed now: its own forward wrapped (``full``/``selective``), its ``mlp``'s
-    (``mlp``), or not at all."""
-    forward = vars(layer).get("forward")
+def _wrapper_of(module: nn.Module) -> Callable[..., Any] | None:
+    forward = vars(module).get("forward")
     if isinstance(forward, functools.partial) and forward.func in _WRAPPERS.values():
-        return "full" if forward.func is _checkpointed else "selective"
+        return forward.func
+    return None
+
+
+def _current_mode(layer: nn.Module) -> tuple[str, bool]:
+    """How ``layer`` is checkpointed now, as (mode, once): its own forward wrapped (``full``/
+    ``selective``), its ``mlp``'s (``mlp``), or not at all (``("none", False)``)."""
+    own = _wrapper_of(layer)
+    if own is not None:
+        once = own in (_checkpointed_once, _selective_once)
+        return ("full" if own in (_checkpointed, _checkpointed_once) else "selective", once)
     mlp = getattr(layer, "mlp", None)
-    inner = vars(mlp).get("forward") if isinstance(mlp, nn.Module) else None
-    return "mlp" if isinstance(inner, functools.partial) and inner.func is _selective else "none"
+    inner = _wrapper_of(mlp) if isinstance(mlp, nn.Module) else None
+    if inner in (_selective, _selective_once):
+        return ("mlp", inner is _selective_once)
+    return _NOT_WRAPPED
 
 
 def checkpointing_mode(value: Any) -> str | None:
@@ -433,6 +465,9 @@ def activation_checkpointing(
     (no input gradient) runs its whole backward at W, once (`pp_offload.recompute_plan.recomputations`, the
     rule the planner charges). W makes one autograd call per parameter group; checkpointing a layer installs
     `pp_offload.runtime.compat.share_weight_pass_recomputation` so that they share one recomputation.
+    A ``+once`` plan (``"selective+once"``) recomputes in I only and keeps what it recomputed for W
+    (`pp_offload.runtime.recompute_once`): two runs per microbatch instead of three, the layer's
+    activations held on the device from I to W.
     Idempotent; a second call with another mode switches the layers to it. Apply before or after
     `apply_fsdp`, before the first step.
     """
@@ -451,15 +486,16 @@ def activation_checkpointing(
     wrapped = 0
     for stage in _stage_modules(modules).values():
         found = list(find_layers(stage))
-        for layer, want in zip(found, plan.modes(len(found)), strict=True):
+        for layer, mode in zip(found, plan.modes(len(found)), strict=True):
+            want = (mode, plan.once and mode != "none")
             current = _current_mode(layer)
             if current == want:
                 continue
-            if current != "none":  # another mode, or out of the share
-                target = _target(layer, current)
+            if current != _NOT_WRAPPED:  # another mode, or out of the share
+                target = _target(layer, current[0])
                 _unwrap(target, vars(target)["forward"].args[0])
-            if want != "none":
-                target = _target(layer, want)
+            if want != _NOT_WRAPPED:
+                target = _target(layer, mode)
                 target.forward = functools.partial(_WRAPPERS[want], target.forward)
                 wrapped += 1
     return wrapped

@@ -121,12 +121,16 @@ DEFAULT_RECOMPUTE = (
     "selective:0.75,mlp",
     "selective",
     "full",
+    "selective+once",
+    "full+once",
 )
 """Recompute plans `recompute_options` offers by default (`pp_offload.recompute_plan`), from little
 recompute to the most: MLP-only; selective on half or three quarters of each stage's layers, alone or
 with the MLP-only recompute on the others (the MLP group frees 54% of selective's bytes for 25% of its
 time, `pp_offload.plan.recompute_groups`, so the other layers give up much of their bytes for little);
-every layer selective; full. Why the two-mode plans: they fill the gaps between the one-mode steps,
+every layer selective; full; and selective and full recomputing once per microbatch (``+once``: I keeps
+what it recomputed for W, faster under split backward, the freed bytes back on the device from I to W,
+`pp_offload.runtime.recompute_once`). Why the two-mode plans: they fill the gaps between the one-mode steps,
 e.g. Llama-3-8B, seq 4096, pp 4, m 8 on the H100 at half of 1F1B's memory: ``selective:0.75,mlp`` fits
 where ``selective:0.75`` does not, 1.6% faster than ``selective`` (tests/test_auto.py)."""
 _TIE = 0.01
@@ -334,6 +338,8 @@ class RecomputeOption:
     rest, rest_kept_share, rest_forward_share: the mode of the other layers of each stage and its two
         shares, for a two-mode plan (``"selective:0.75,mlp"``: selective on the first three quarters, the
         MLP-only recompute on the rest); ``"none"`` (keep everything) by default.
+    once: a ``+once`` plan (`pp_offload.runtime.recompute_once`): I recomputes and keeps what it recomputed
+        for W, so W recomputes nothing and the freed bytes are back on the device from I to W.
 
     Why shares, not bytes and seconds: they scale the probe's own measurement, so the same option serves
     a CPU probe and a GPU run.
@@ -346,11 +352,12 @@ class RecomputeOption:
     rest: str = "none"
     rest_kept_share: float = 1.0
     rest_forward_share: float = 0.0
+    once: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("mlp", "selective", "full"):
             raise ValueError(f"RecomputeOption.mode must be 'mlp', 'selective' or 'full', got {self.mode!r}")
-        RecomputePlan(self.mode, self.share, self.rest)  # checks the share and the pair of modes
+        RecomputePlan(self.mode, self.share, self.rest, self.once)  # checks the share and the pair of modes
         for name in ("kept_share", "rest_kept_share"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"RecomputeOption.{name} must be in (0, 1], got {getattr(self, name)!r}")
@@ -362,7 +369,7 @@ class RecomputeOption:
     def label(self) -> str:
         """The plan string (``"selective:0.75"``, ``"selective:0.75,mlp"``): what
         ``train.activation_checkpointing`` applies."""
-        return RecomputePlan(self.mode, self.share, self.rest).label
+        return RecomputePlan(self.mode, self.share, self.rest, self.once).label
 
     def apply(self, measurement: Measurement) -> Measurement:
         """``measurement`` as if its decoder layers (the option's share of each stage's, earliest first)
@@ -382,7 +389,7 @@ class RecomputeOption:
         per_layer_bytes = min(st.saved_bytes / st.layers for st in with_layers)
         per_layer_forward = min(st.F / st.layers for st in with_layers)
         stages = []
-        plan = RecomputePlan(self.mode, self.share, self.rest)
+        plan = RecomputePlan(self.mode, self.share, self.rest, self.once)
         for index, st in enumerate(measurement.stages):
             count = plan.count(st.layers)
             others = st.layers - count if self.rest != "none" else 0
@@ -391,7 +398,8 @@ class RecomputeOption:
             ratio = saved / st.saved_bytes if st.saved_bytes else 1.0
             extra = per_layer_forward * (count * self.forward_share + others * self.rest_forward_share)
             layer_bytes, units = self._units(st, plan.modes(st.layers), per_layer_bytes)
-            at_i, at_w, at_b = (recomputations(k, first_stage=index == 0) for k in ("I", "W", "B"))
+            first = index == 0
+            at_i, at_w, at_b = (recomputations(k, first_stage=first, once=self.once) for k in ("I", "W", "B"))
             stages.append(
                 replace(
                     st,
@@ -399,6 +407,7 @@ class RecomputeOption:
                     W=st.W + extra * at_w,
                     recompute_shared=st.recompute_shared + extra * (at_i + at_w - at_b),
                     saved_bytes=saved,
+                    held_after_input=round(st.saved_bytes - saved) if self.once and not first else 0,
                     offload=st.offload * ratio,
                     reload=st.reload * ratio,
                     layer_bytes=layer_bytes,
@@ -469,7 +478,11 @@ def recompute_options(
             continue
         kept, seconds = shares(plan.mode)
         rest_kept, rest_seconds = shares(plan.rest)
-        out.append(RecomputeOption(plan.mode, kept, seconds, plan.share, plan.rest, rest_kept, rest_seconds))
+        out.append(
+            RecomputeOption(
+                plan.mode, kept, seconds, plan.share, plan.rest, rest_kept, rest_seconds, once=plan.once
+            )
+        )
     return out
 
 
@@ -591,7 +604,7 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
             layers=0,
             first=s == 0,
             last=s == n - 1,
-            activation=ChunkActivation(saved=st.saved_bytes),
+            activation=ChunkActivation(saved=st.saved_bytes, held_after_input=int(st.held_after_input)),
             times=PassTimes(st.F * _MS, st.I * _MS, st.W * _MS, st.recompute_shared * _MS),
             params=0,
         )

@@ -147,12 +147,10 @@ def stage_times(
         per_token = per_token + head_flops(spec)
     times = per_token.scaled(microbatch_size * seq_len / machine.flops_for(p.name))
     kw = {"microbatch_size": microbatch_size, "seq_len": seq_len}
-    extra = sum(
-        recompute_seconds(spec, machine, p, recompute=mode, **kw)
-        for mode in parse_recompute(recompute).modes(layers)
-    )
-    at_i, at_w = (recomputations(kind, first_stage=first) for kind in ("I", "W"))
-    shared = extra * (at_i + at_w - recomputations("B", first_stage=first))
+    plan = parse_recompute(recompute)
+    extra = sum(recompute_seconds(spec, machine, p, recompute=mode, **kw) for mode in plan.modes(layers))
+    at_i, at_w = (recomputations(kind, first_stage=first, once=plan.once) for kind in ("I", "W"))
+    shared = extra * (at_i + at_w - recomputations("B", first_stage=first, once=plan.once))
     return PassTimes(times.F, times.I + extra * at_i, times.W + extra * at_w, shared)
 
 

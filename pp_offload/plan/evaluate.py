@@ -169,6 +169,7 @@ class Setup:
                     resident=int(st.activation.resident),
                     layer=int(self.stage_layer_bytes(s)),
                     per_layer=tuple(self.layers_bytes[s]) if self.layers_bytes else None,
+                    held_after_input=int(st.activation.held_after_input),
                 )
                 for s, st in enumerate(self.stages)
             ),
@@ -198,6 +199,7 @@ class Setup:
                     resident=int(st.activation.resident),
                     layer=max(flat, default=0),
                     per_layer=tuple(flat),
+                    held_after_input=int(st.activation.held_after_input),
                 )
             )
         return OffloadInputs(

@@ -157,11 +157,15 @@ class ChunkActivation:
     saved: what autograd saves in the stage's forward, as the activation store captures it: offloadable.
     output: the stage's output, held by torch from the forward to the input-gradient pass.
     loss: what the loss saves (last stage; computed outside the stage's forward, so not offloaded).
+    held_after_input: what a ``+once`` recompute plan recomputes in I and keeps on the device until W (the
+        recomputed layers' bytes beyond what they save in the forward); 0 on the first stage, where torch
+        runs the whole backward at W, and without ``+once``.
     """
 
     saved: int
     output: int = 0
     loss: int = 0
+    held_after_input: int = 0
 
     @property
     def total(self) -> int:
@@ -405,23 +409,28 @@ def chunk_activation(
         if spec.family == "gpt2":
             saved += _big(seq_len, 8)  # position ids, (1, seq) broadcast over the microbatch
             saved += n * h if spec.embd_dropout > 0 else 0
+    held = 0
     if layers:
         kw = {"microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
-        saved += sum(layers_activation_bytes(spec, p, layers=layers, first=first, **kw))
+        layer_bytes = sum(layers_activation_bytes(spec, p, layers=layers, first=first, **kw))
+        saved += layer_bytes
+        if parse_recompute(recompute).once and not first:
+            kw["recompute"] = "none"
+            held = sum(layers_activation_bytes(spec, p, layers=layers, first=first, **kw)) - layer_bytes
         if spec.family == "llama" and {"none", "mlp"} & set(parse_recompute(recompute).modes(layers)):
             # rotary cos and sin, shared by the stage's layers, saved by a layer whose attention is not
             # checkpointed (a checkpointed layer takes them as inputs, which the activation store does not
             # see)
             saved += 2 * _big(n * spec.head_dim, a)
     if not last:
-        return ChunkActivation(saved=saved, output=a * h * n)
+        return ChunkActivation(saved=saved, output=a * h * n, held_after_input=held)
     own_input = first or layers > 0  # else the final norm's input is the stage's input
     if spec.family == "gpt2":
         saved += (a * h * n if own_input else 0) + 2 * _big(n, 4) + a * h * n  # ln_f input, stats, output
     else:
         saved += (4 * h * n if (own_input or a != 4) else 0) + _big(n, 4) + 2 * a * h * n
     loss = 4 * v * n + _big(n, 8)  # fp32 log-probabilities, target ids
-    return ChunkActivation(saved=saved, output=a * v * n, loss=loss)
+    return ChunkActivation(saved=saved, output=a * v * n, loss=loss, held_after_input=held)
 
 
 def transient_bytes(

@@ -74,6 +74,9 @@ class StageMeasurement:
     recompute_shared: float = 0.0
     """Seconds included in both I and W that one full backward B runs once (a recomputation added by
     `pp_offload.plan.auto.RecomputeOption.apply`; 0 in a probe's own measurement)."""
+    held_after_input: int = 0
+    """Bytes a ``+once`` recompute plan holds on the device from the start of I to the end of W (set by
+    `pp_offload.plan.auto.RecomputeOption.apply`; a probe measures without recompute)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
