@@ -410,7 +410,8 @@ def checkpointing_mode(value: Any) -> str | None:
         f"activation checkpointing must be false, true, 'full', 'selective', 'mlp', or one of them with a "
         f"share, 'selective:S' for the first share S in (0, 1] of each stage's layers, got {value!r}; 'full' "
         "recomputes each decoder layer from its input, 'selective' keeps matmul and attention outputs, "
-        "'mlp' recomputes the MLP's activation and product only"
+        "'mlp' recomputes the MLP's activation and product only; '+once' after any of them "
+        "('selective+once') recomputes once per microbatch under split backward"
     )
 
 
