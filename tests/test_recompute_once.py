@@ -306,3 +306,11 @@ def test_auto_option_once_charges_i_only_and_holds_the_freed_bytes() -> None:
         assert o.W == pytest.approx(p.W if first else before.W)
         assert o.saved_bytes == p.saved_bytes
         assert o.held_after_input == (0 if first else before.saved_bytes - p.saved_bytes)
+
+
+def test_within_search_keeps_once_on_every_share_of_a_family() -> None:
+    from pp_offload.plan.within import plan_shares
+
+    assert plan_shares("full:S+once", [2, 2]) == ["full:0.5+once", "full+once"]
+    assert plan_shares("selective:S,mlp+once", [2, 2])[-1] == "selective+once"
+    assert plan_shares("mlp+once", [2, 2]) == ["mlp+once"]

@@ -194,16 +194,19 @@ class WithinResult:
 def plan_shares(family: str, layers: Sequence[int]) -> list[str]:
     """The plan strings of ``family`` that differ on stages of ``layers`` decoder layers: ``"mode:S"`` or
     ``"mode:S,rest"`` at every share ``k/n`` (n a stage's layer count) below 1, then the mode on every
-    layer; a family without ``S`` is itself. Duplicates (the same layer counts on every stage) dropped."""
+    layer; a family without ``S`` is itself; ``+once`` after a family (``"selective:S+once"``) goes on
+    every plan of it. Duplicates (the same layer counts on every stage) dropped."""
     if ":S" not in family:
         return [parse_recompute(family).label]
-    mode, _, rest = family.partition(":S")
+    base, plus, modifier = family.partition("+")
+    once = f"+{modifier}" if plus else ""
+    mode, _, rest = base.partition(":S")
     counts = sorted({n for n in layers if n > 0})
     shares = sorted({k / n for n in counts for k in range(1, n)})
     seen: dict[tuple, str] = {}
     for share in [*shares, 1.0]:
         # rounded down: a share printed above k/n would take one more layer of an n-layer stage
-        plan = parse_recompute(f"{mode}:{math.floor(share * 1e6) / 1e6:g}{rest if share < 1 else ''}")
+        plan = parse_recompute(f"{mode}:{math.floor(share * 1e6) / 1e6:g}{rest if share < 1 else ''}{once}")
         seen.setdefault(tuple(tuple(plan.modes(n)) for n in counts), plan.label)
     return list(seen.values())
 
