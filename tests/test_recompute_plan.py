@@ -234,7 +234,12 @@ def test_choose_considers_recompute_options():
     assert applied.stages[0].I == measured.stages[0].I  # torch's stage 0: one backward, at W
     options = {o.label: o for o in recompute_options(LLAMA_8B, seq_len=4096)}
     assert list(options) == list(DEFAULT_RECOMPUTE)
-    assert DEFAULT_RECOMPUTE[0] == "mlp" and DEFAULT_RECOMPUTE[-2:] == ("selective", "full")
+    assert DEFAULT_RECOMPUTE[0] == "mlp"
+    assert DEFAULT_RECOMPUTE[-4:] == ("selective", "full", "selective+once", "full+once")
+    for mode in ("selective", "full"):  # the same shares; only the rule (W recomputes nothing) differs
+        once, per_pass = options[f"{mode}+once"], options[mode]
+        assert once.once and not per_pass.once
+        assert (once.kept_share, once.forward_share) == (per_pass.kept_share, per_pass.forward_share)
     sel, mlp = options["selective"], options["mlp"]
     assert all(options[k].kept_share == sel.kept_share for k in ("selective:0.5", "selective:0.75"))
     assert 0.4 < sel.kept_share < 0.5 and options["full"].forward_share == pytest.approx(1.0)
