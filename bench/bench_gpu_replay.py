@@ -1070,8 +1070,13 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s",
         type=float,
         metavar="S",
-        help="start no configuration after S seconds minus the longest one so far (the rest are recorded "
-        "as skipped): ends on time under an outer time limit instead of being killed mid-configuration",
+        help="start no configuration after S seconds minus 1.25 times the longest one so far (the rest are "
+        "recorded as skipped): ends on time under an outer time limit instead of being killed mid-way",
+    )
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="check the arguments and every configuration, then exit (no device needed): a dry run",
     )
     parser.add_argument(
         "--replan",
@@ -1098,6 +1103,9 @@ def main(argv: list[str] | None = None) -> int:
         configs = validate_configs(args.configs)
     except ValueError as e:
         parser.error(str(e))
+    if args.check_only:
+        print(f"{len(configs)} configuration(s) checked; arguments ok", flush=True)
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
@@ -1148,7 +1156,7 @@ def main(argv: list[str] | None = None) -> int:
         reason = None
         if args.limit is not None and index >= args.limit:
             reason = f"skipped: --limit {args.limit}"
-        elif args.budget_s is not None and elapsed + longest > args.budget_s:
+        elif args.budget_s is not None and elapsed + 1.25 * longest > args.budget_s:
             reason = f"skipped: time budget ({elapsed:.0f} s gone, longest configuration {longest:.0f} s)"
         if reason is not None:
             print(f"{config.label}: {reason}", flush=True)

@@ -9,7 +9,8 @@
 # mode "error", then the seq-4096 replay in order of importance; each part under its own time limit, every
 # finished configuration on disk at once. `quick-last`: the replay on the last pipeline rank (4 minutes).
 # GPU_SESSION_CPU=1 rehearses the same path on the CPU (tiny model, two configurations run, all of them
-# checked; CUDA-only parts recorded as "skipped: no CUDA"): tests/test_gpu_session.py runs it in CI.
+# checked; CUDA-only parts recorded as "skipped: no CUDA"): tests/test_gpu_session.py runs it in CI, and
+# GPU_SESSION_DRY=1 (without the CPU switch): the CUDA command lines, the bench's only checked.
 #
 # Runs with the machine's own python (its torch, transformers, accelerate, peft); packages it lacks
 # (datasets and its dill/multiprocess) come as wheels from .whl/ when that folder exists. Logs and
@@ -30,10 +31,10 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 
 # --- quick: the one-call session ------------------------------------------------------------------------
 # The configurations, most important first: a time limit cuts the tail, never the head.
-SYNC_CONFIGS=(
-    ScheduleVHalf/none/none ScheduleVHalf/full/none ScheduleVHalf/budget:auto:0.1/none
-    ScheduleVHalf/none/selective+once ScheduleVZB/budget:sublayer/mlp
-)
+# The sync check: the plain step, whole-chunk offload (the first GPU run's serialized copies) and layer-hook
+# offload of sub-layer units under split backward. Every replay row also lists its step's synchronizing
+# calls in warn mode (`host_syncs`).
+SYNC_CONFIGS=(ScheduleVHalf/none/none ScheduleVHalf/full/none ScheduleVZB/budget:sublayer/mlp)
 QUICK_CONFIGS=(
     ScheduleVHalf/none/none ScheduleVHalf/full/none
     ScheduleVHalf/budget:auto:0.1/none ScheduleVHalf/budget:sublayer/mlp
@@ -75,9 +76,14 @@ step_part() {  # step_part NAME LIMIT_S COMMAND...: one part under its own time 
     command="$*"
     command="${command//[$'\t\n']/ }"
     echo "== [$(date -u +%H:%M:%S)] $name (limit $limit s): $command" | tee -a "$LOG"
-    timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v "$NOISE" | tee -a "$LOG"
-    rc=${PIPESTATUS[0]}
-    case "$rc" in 0) status=ok ;; 124 | 137) status=timeout ;; *) status=failed ;; esac
+    if [ "${GPU_SESSION_DRY:-0}" = 1 ] && [[ "$command" != *bench_gpu_replay.py* ]]; then
+        rc=0 status=dry-run  # the dry run (tests/test_gpu_session.py) runs only the bench's --check-only
+    else
+        [ "${GPU_SESSION_DRY:-0}" = 1 ] && set -- "$@" --check-only
+        timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v "$NOISE" | tee -a "$LOG"
+        rc=${PIPESTATUS[0]}
+        case "$rc" in 0) status=ok ;; 124 | 137) status=timeout ;; *) status=failed ;; esac
+    fi
     echo "== $name: $status (rc $rc, $((SECONDS - start)) s)" | tee -a "$LOG"
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - start))" "$limit" "$command" >>"$PARTS"
 }
@@ -172,7 +178,7 @@ quick() {  # quick PART: `quick` (rank 0, everything) or `quick-last` (the repla
             skip_part store "skipped: no CUDA"
         fi
         step_part sync-check 90 "$PY" bench/bench_gpu_replay.py "${SHAPE[@]}" --sync-check --budget-s 70 \
-            "${FEW[@]}" --out "$OUT" --name "${name}_sync" --configs "${SYNC_CONFIGS[@]}"
+            ${FEW[@]+"${FEW[@]}"} --out "$OUT" --name "${name}_sync" --configs "${SYNC_CONFIGS[@]}"
         configs=("${QUICK_CONFIGS[@]}")
         rank=0
     else
@@ -184,7 +190,7 @@ quick() {  # quick PART: `quick` (rank 0, everything) or `quick-last` (the repla
         skip_part replay "skipped: $left s left"
     else
         step_part replay "$left" "$PY" bench/bench_gpu_replay.py "${SHAPE[@]}" --rank "$rank" \
-            --budget-s $((left - 25)) "${FEW[@]}" --out "$OUT" --name "${name}_replay" --configs "${configs[@]}"
+            --budget-s $((left - 25)) ${FEW[@]+"${FEW[@]}"} --out "$OUT" --name "${name}_replay" --configs "${configs[@]}"
     fi
     summary "$name" 2>&1 | tee -a "$LOG"
     rc=${PIPESTATUS[0]}

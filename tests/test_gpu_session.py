@@ -94,6 +94,7 @@ def test_quick_session_rehearsed_on_cpu(tmp_path: Path) -> None:
     assert [r["sync_check"]["status"] for r in ran] == ["skipped", "skipped"]
     assert all("no CUDA" in r["sync_check"]["reason"] for r in ran)
     assert ("ScheduleVHalf", "full", "none") in _configs(ran)
+    assert len(sync["records"]) == 3
     assert all(r["skipped"].startswith("skipped: --limit") for r in sync["records"][2:])
     assert summary["results"]["quick_sync.json"]["done"] == 2
 
@@ -113,6 +114,22 @@ def test_quick_session_rehearsed_on_cpu(tmp_path: Path) -> None:
     assert "== replay: ok" in (tmp_path / "quick.log").read_text()
     # at most 8 files come back from a device call
     assert len([p for p in tmp_path.iterdir() if p.is_file()]) <= 8
+
+
+def test_quick_session_dry_run_checks_the_cuda_command_lines(tmp_path: Path) -> None:
+    """Without the CPU switch (the device's command lines): the bench's arguments and configurations are
+    checked (``--check-only``), the CUDA-only commands recorded, not run."""
+    proc = _session("quick", tmp_path, GPU_SESSION_CPU="0", GPU_SESSION_DRY="1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = {p["part"]: p for p in json.loads((tmp_path / "quick.json").read_text())["parts"]}
+    assert list(parts) == ["nvidia-smi", "env", "store", "sync-check", "replay"]
+    assert [parts[n]["status"] for n in ("nvidia-smi", "env", "store")] == ["dry-run"] * 3
+    assert "tests/test_store.py -k cuda" in parts["store"]["command"]
+    for name in ("sync-check", "replay"):
+        assert parts[name]["status"] == "ok"
+        assert "--seq 4096 --microbatches 8 --pp 4 --steps 3" in parts[name]["command"]
+        assert "--tiny" not in parts[name]["command"] and "--limit" not in parts[name]["command"]
+    assert "16 configuration(s) checked" in proc.stdout
 
 
 def test_quick_last_runs_the_rank_with_the_lm_head(tmp_path: Path) -> None:
@@ -175,3 +192,19 @@ def test_sync_check_names_the_offending_call(monkeypatch: pytest.MonkeyPatch, st
     if status == "failed":
         assert "synchronizing CUDA operation" in result["error"]
         assert result["where"].startswith("test_gpu_session.py:") and "_offending_call" in result["where"]
+
+
+def test_a_spent_time_budget_skips_the_rest_and_keeps_meta(tmp_path: Path) -> None:
+    """``--budget-s``: past the budget no configuration starts; each is recorded as skipped, with meta."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PP_OFFLOAD_ORDER_CACHE": "off"}
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "bench_gpu_replay.py"), "--tiny", "--device", "cpu", "--dtype",
+        "fp32", "--seq", "16", "--microbatches", "4", "--pp", "2", "--steps", "1", "--sync-check",
+        "--budget-s", "0", "--out", str(tmp_path), "--name", "spent", "--configs", "ScheduleVHalf/none/none",
+        "ScheduleVZB/none/none",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "spent.json").read_text())
+    assert data["meta"]["mode"] == "sync_check" and data["meta"]["git_commit"]
+    assert [r["skipped"].startswith("skipped: time budget") for r in data["records"]] == [True, True]
