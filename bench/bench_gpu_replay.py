@@ -419,9 +419,7 @@ def copy_overlap(schedule: Any, args: tuple, kwargs: dict, device: torch.device)
         return {}
     from torch.profiler import ProfilerActivity, profile
 
-    # CUDA activity alone: kernels and copies are all this reads, and host-side op events would make the
-    # trace (and its export) several times larger
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         schedule.step(*args, **kwargs)
         _sync(device)
     with tempfile.TemporaryDirectory() as tmp:
