@@ -111,12 +111,13 @@ for path in (out / f"{name}_sync.json", out / f"{name}_replay.json"):
     if not path.exists():
         continue
     data = json.loads(path.read_text())
-    count = {"done": 0, "failed": 0, "skipped": 0, "unfinished": 0}
+    count = {"done": 0, "failed": 0, "skipped": 0, "unfinished": 0, "sync_calls_found": 0}
     for r in data["records"]:
         check = r.get("sync_check", {}).get("status")
-        key = ("failed" if "error" in r or check in ("failed", "error") else "skipped" if "skipped" in r
+        key = ("failed" if "error" in r or check == "error" else "skipped" if "skipped" in r
                else "unfinished" if "started" in r else "done")
         count[key] += 1
+        count["sync_calls_found"] += check == "failed"  # a finding, not a failure of the run
     results[path.name] = count
     checks = {"/".join(r["config"].values()): r["sync_check"] for r in data["records"] if "sync_check" in r}
     if checks:
