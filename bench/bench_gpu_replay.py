@@ -630,15 +630,16 @@ def simulated_offload(schedule: Any, rank: int) -> dict[str, float] | None:
 # --- driver ------------------------------------------------------------------------------------------
 
 
-def run_config(
+def _prepare(
     shape: dict[str, Any],
     config: Config,
     args: argparse.Namespace,
-    device: torch.device,
-    dtype: torch.dtype,
     mfu: float | None,
     bandwidth: dict[str, float],
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], Any, Any]:
+    """The planner's prediction for ``config`` on this rank, the chunk costs the schedule is built with and,
+    for an offload policy, the planner's figures the runtime places its copies with. Returns (prediction,
+    costs, offload inputs or None)."""
     from pp_offload.order.actions import Costs
 
     mean_bw = (bandwidth["d2h"] + bandwidth["h2d"]) / 2
@@ -667,6 +668,19 @@ def run_config(
             recompute=config.recompute,
             layers_per_stage=predicted["layers_per_stage"],
         )
+    return predicted, costs, inputs
+
+
+def run_config(
+    shape: dict[str, Any],
+    config: Config,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    mfu: float | None,
+    bandwidth: dict[str, float],
+) -> dict[str, Any]:
+    predicted, costs, inputs = _prepare(shape, config, args, mfu, bandwidth)
     start = time.perf_counter()
     schedule, stages, step_args, step_kwargs = ready_rank(
         shape, config, args, device, dtype, predicted["layers_per_stage"], costs=costs, inputs=inputs
@@ -675,6 +689,8 @@ def run_config(
     schedule.step(*step_args, **step_kwargs)
     _sync(device)
     record: dict[str, Any] = {"config": config.__dict__, "build_s": build_s, "predicted": predicted}
+    record["stages"] = [stage.stage_index for stage in stages]  # this rank's (the last holds the LM head)
+    record["num_stages"] = stages[0].num_stages
     times, peaks, paced = [], [], []
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     pacer = Pacer(schedule, costs, device)
@@ -717,6 +733,75 @@ def run_config(
     del schedule, stages, pacer
     _free(device)
     return record
+
+
+def sync_check_config(
+    shape: dict[str, Any],
+    config: Config,
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    bandwidth: dict[str, float],
+) -> dict[str, Any]:
+    """``config``'s rank built as for the replay, one step to warm up, then `sync_check` of one more step
+    (the planner's preset mfu: the costs only place the copies, nothing is timed)."""
+    predicted, costs, inputs = _prepare(shape, config, args, None, bandwidth)
+    schedule, stages, step_args, step_kwargs = ready_rank(
+        shape, config, args, device, dtype, predicted["layers_per_stage"], costs=costs, inputs=inputs
+    )
+    schedule.step(*step_args, **step_kwargs)
+    _sync(device)
+    result = sync_check(schedule, step_args, step_kwargs, device)
+    del schedule, stages
+    _free(device)
+    return {"config": config.__dict__, "sync_check": result}
+
+
+SYNC_ERROR = "synchronizing CUDA operation"
+"""What torch's sync debug mode "error" raises with (c10's warn_or_error_on_sync)."""
+
+
+def sync_check(schedule: Any, args: tuple, kwargs: dict, device: torch.device) -> dict[str, Any]:
+    """One step under ``torch.cuda.set_sync_debug_mode("error")``: the first synchronizing CUDA call raises.
+
+    Why: the issue's target is zero synchronizing calls in a step; `host_syncs` lists them in "warn" mode
+    (every site, counted), this is the hard check. Returns ``{"status": "passed"}``, ``{"status": "failed",
+    "error", "where", "torch_frames"}`` (``where``: the innermost frames outside torch, innermost first), or
+    ``{"status": "error", ...}`` when the step failed otherwise. Without CUDA the step runs without the debug
+    mode and the status is ``"skipped"`` (the same path, rehearsed on CPU)."""
+    if device.type != "cuda":
+        schedule.step(*args, **kwargs)
+        return {"status": "skipped", "reason": "skipped: no CUDA (the step ran without sync debug mode)"}
+    import traceback
+
+    _sync(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        schedule.step(*args, **kwargs)
+        torch.cuda.set_sync_debug_mode("default")
+        _sync(device)
+    except Exception as e:  # the offending call's site is the record: it must not end the run
+        torch.cuda.set_sync_debug_mode("default")
+        frames = traceback.extract_tb(e.__traceback__)
+        ours = [f for f in frames if "/torch/" not in f.filename]
+        inside = [f for f in frames if "/torch/" in f.filename]
+
+        def text(fs: list[Any]) -> str:
+            return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(fs))
+
+        message = f"{type(e).__name__}: {e}"
+        e.__traceback__ = None  # the frames hold the step's tensors
+        del e
+        _free(device)
+        return {
+            "status": "failed" if SYNC_ERROR in message else "error",
+            "error": message[:400],
+            "where": text(ours[-4:]),
+            "torch_frames": text(inside[-3:]),
+        }
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"status": "passed"}
 
 
 def _state_bytes(stages: list[Any]) -> int:
@@ -870,7 +955,7 @@ def replan(path: Path) -> int:
     mean_bw = (bw["d2h"] + bw["h2d"]) / 2
     records = []
     for record in data["records"]:
-        if "error" in record:
+        if "error" in record or "skipped" in record or "started" in record:
             continue
         record = dict(record)
         record["predicted"] = planner_prediction(
@@ -893,12 +978,72 @@ def replan(path: Path) -> int:
     return 0
 
 
+def validate_configs(texts: list[str]) -> list[Config]:
+    """Every configuration parsed and its schedule, offload policy and recompute plan checked before anything
+    is built. Why: a typo found after the calibration (or after an hour of other configurations) costs
+    device time that a GPU session does not have. ValueError naming every bad configuration."""
+    from pp_offload.order.offload import resolve_offload
+    from pp_offload.recompute_plan import parse_recompute
+    from pp_offload.runtime.catalog import schedule_info
+
+    configs, bad = [], []
+    for text in texts:
+        try:
+            config = Config.parse(text)
+            schedule_info(config.schedule)
+            resolve_offload(config.offload)
+            parse_recompute(config.recompute)
+        except Exception as e:
+            bad.append(f"{text!r}: {e}")
+            continue
+        configs.append(config)
+    if bad:
+        raise ValueError("bad configuration(s): " + "; ".join(bad))
+    return configs
+
+
+def git_commit() -> str:
+    """The commit measured: ``git rev-parse HEAD`` (``+dirty`` with uncommitted changes), else the
+    ``PP_OFFLOAD_COMMIT`` environment variable (a device machine may get the working tree without .git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("PP_OFFLOAD_COMMIT") or "unknown (no git; set PP_OFFLOAD_COMMIT)"
+
+
+def write_results(out: Path, name: str, meta: dict[str, Any], records: list[dict[str, Any]]) -> Path:
+    """The results so far, replaced atomically: written after every configuration, so a run killed by its
+    time limit still leaves every finished configuration on disk."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    tmp.replace(path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama-3-8b", help="a shape of pp_offload.plan.shapes")
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama (CPU smoke run)")
     parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        help="the pipeline rank to run, 0 .. pp-1 (the LM head and loss: rank 0 in V placement, rank pp-1 in "
+        "loop placement)",
+    )
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
@@ -911,6 +1056,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="replay", help="result file stem")
     parser.add_argument(
+        "--sync-check",
+        action="store_true",
+        help="instead of measuring: one step of each configuration under torch.cuda.set_sync_debug_mode"
+        "('error'), recording pass or the first synchronizing call and where it was made",
+    )
+    parser.add_argument(
+        "--limit", type=int, metavar="N", help="run only the first N configurations (all are still checked)"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        metavar="S",
+        help="start no configuration after S seconds minus 1.25 times the longest one so far (the rest are "
+        "recorded as skipped): ends on time under an outer time limit instead of being killed mid-way",
+    )
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="check the arguments and every configuration, then exit (no device needed): a dry run",
+    )
+    parser.add_argument(
         "--replan",
         type=Path,
         metavar="JSON",
@@ -919,6 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replan is not None:
         return replan(args.replan)
+    started = time.perf_counter()
 
     from pp_offload.plan.shapes import shape as known_shape
     from pp_offload.runtime import compat
@@ -926,6 +1093,17 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(TINY_SHAPE) if args.tiny else known_shape(args.model)
     if shape is None:
         parser.error(f"unknown model shape {args.model!r}")
+    if not 0 <= args.rank < args.pp:
+        parser.error(f"--rank {args.rank} is not a rank of --pp {args.pp}: use 0 .. {args.pp - 1}")
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit {args.limit}: run at least 1 configuration")
+    try:
+        configs = validate_configs(args.configs)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.check_only:
+        print(f"{len(configs)} configuration(s) checked; arguments ok", flush=True)
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
@@ -935,14 +1113,21 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     compat.init_fake_process_group(args.rank, args.pp)
-    configs = [Config.parse(c) for c in args.configs]
     bandwidth = measure_host_bandwidth(device)
-    mfu, calib = calibrate_mfu(shape, args, device, dtype)
+    if args.sync_check:
+        mfu, calib = None, {}
+    else:
+        mfu, calib = calibrate_mfu(shape, args, device, dtype)
     meta = {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else platform.processor() or "cpu",
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git_commit": git_commit(),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "mode": "sync_check" if args.sync_check else "replay",
         "model": "tiny" if args.tiny else args.model,
         "pp": args.pp,
         "rank": args.rank,
@@ -955,36 +1140,74 @@ def main(argv: list[str] | None = None) -> int:
         "calibrated_mfu": mfu,
     }
     print(
-        f"{meta['device']} torch {meta['torch']}: host copies d2h {bandwidth['d2h'] / 1e9:.1f} GB/s, "
-        f"h2d {bandwidth['h2d'] / 1e9:.1f} GB/s; planner mfu {mfu:.3f}; passes (ms) "
+        f"{meta['device']} torch {meta['torch']} commit {meta['git_commit']}: host copies d2h "
+        f"{bandwidth['d2h'] / 1e9:.1f} GB/s, h2d {bandwidth['h2d'] / 1e9:.1f} GB/s"
+        + ("" if mfu is None else f"; planner mfu {mfu:.3f}; passes (ms) ")
         + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in calib.items()),
         flush=True,
     )
-    records = []
-    for config in configs:
+    records: list[dict[str, Any]] = []
+    write_results(args.out, args.name, meta, records)
+    longest = 0.0
+    for index, config in enumerate(configs):
+        elapsed = time.perf_counter() - started
+        reason = None
+        if args.limit is not None and index >= args.limit:
+            reason = f"skipped: --limit {args.limit}"
+        elif args.budget_s is not None and elapsed + 1.25 * longest > args.budget_s:
+            reason = f"skipped: time budget ({elapsed:.0f} s gone, longest configuration {longest:.0f} s)"
+        if reason is not None:
+            print(f"{config.label}: {reason}", flush=True)
+            records.append({"config": config.__dict__, "skipped": reason})
+            continue
+        begin = time.perf_counter()
+        # on disk before it runs: a configuration that hangs until the outer time limit shows as "started"
+        write_results(args.out, args.name, meta, [*records, {"config": config.__dict__, "started": True}])
         try:
-            record = run_config(shape, config, args, device, dtype, mfu, bandwidth)
+            if args.sync_check:
+                record = sync_check_config(shape, config, args, device, dtype, bandwidth)
+            else:
+                record = run_config(shape, config, args, device, dtype, mfu, bandwidth)
         except Exception as e:  # one configuration failing must not lose the others' results
             print(f"{config.label}: FAILED {type(e).__name__}: {e}", flush=True)
-            records.append({"config": config.__dict__, "error": f"{type(e).__name__}: {e}"})
+            record = {"config": config.__dict__, "error": f"{type(e).__name__}: {e}"}
             _free(device)
-            continue
+        record["wall_s"] = time.perf_counter() - begin
+        longest = max(longest, record["wall_s"])
         records.append(record)
+        write_results(args.out, args.name, meta, records)
+        if "error" in record:
+            continue
+        if args.sync_check:
+            check = record["sync_check"]
+            detail = check.get("reason") or check.get("error", "")
+            where = f" at {check['where']}" if check.get("where") else ""
+            print(f"{config.label}: sync check {check['status']} {detail[:200]}{where}", flush=True)
+            continue
         print(
             f"{config.label}: step {record['step_s'] * 1e3:.0f} ms, above held "
             f"{(record['above_held_bytes'] or 0) / GIB:.2f} GiB (planner "
-            f"{(record['predicted']['activation_bytes'] + record['predicted']['transient_bytes']) / GIB:.2f})",  # noqa: E501
+            f"{(record['predicted']['activation_bytes'] + record['predicted']['transient_bytes']) / GIB:.2f})"
+            f" [{record['wall_s']:.0f} s]",
             flush=True,
         )
         for site in record["host_syncs"][:3]:
             print(f"    host sync x{site['count']}: {site['where']}: {site['message'][:80]}", flush=True)
-    done = [r for r in records if "error" not in r]
-    print(tables(done))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    if done:
+    write_results(args.out, args.name, meta, records)
+    done = [r for r in records if "error" not in r and "skipped" not in r]
+    failed = [r for r in records if "error" in r]
+    if args.sync_check:  # a synchronizing call found is a result (in the JSON); a step that broke is not
+        failed += [r for r in done if r["sync_check"]["status"] == "error"]
+    elif done:
+        print(tables(done))
         plot(done, args.out / f"{args.name}.png", meta)
-    return 0 if len(done) == len(records) else 1
+    print(
+        f"{len(done)} of {len(records)} configuration(s) done, {len(failed)} failed, "
+        f"{len(records) - len(done) - len([r for r in records if 'error' in r])} skipped; "
+        f"{args.out / (args.name + '.json')} [{time.perf_counter() - started:.0f} s]",
+        flush=True,
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
