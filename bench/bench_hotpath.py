@@ -9,11 +9,13 @@ bench shows the effect with real compute.
 
 Setup: 2 gloo ranks, one thread each, a Llama of 8 layers, hidden 256, intermediate 688, seq 256, fp32,
 microbatches of one row whose documents are packed (position ids restart), ``--microbatches`` of them (8).
-Every schedule x recompute mode (none, full, selective, mlp) is built fresh and timed side by side: one
-warm-up step, then 5 (``--quick``: 3) steps, each the slowest rank's time; the fastest is reported (on a
-shared machine the fastest step is the one least disturbed by other work), and the ratio to the same
-schedule without recompute. ``full (torch W)`` is full recompute with torch's own weight pass
-(one recomputation per parameter group): the cost before the fix, measured in the same run.
+Every schedule x recompute mode (none, full, selective, mlp) is built fresh and timed side by side: per
+schedule, one warm-up round, then 5 (``--quick``: 3) rounds of one step of each mode in turn (so a change
+in the machine's load hits every mode of a schedule alike, not the cells timed last), each the slowest
+rank's time; the fastest is reported (on a shared machine the fastest step is the one least disturbed by
+other work), and the ratio to the same schedule without recompute. ``full (torch W)`` is full recompute
+with torch's own weight pass (one recomputation per parameter group): the cost before the fix, measured in
+the same run.
 
 Counted on one more step of each cell (not timed): host-synchronizing ops in ``schedule.step``
 (`pp_offload.runtime.step_counts.SyncCounter`) and runs of each checkpointed module per microbatch
@@ -184,19 +186,25 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
     batch = _batch(cfg, m)
     rows = []
     for name in SCHEDULES:
+        cells = {}
         for mode in MODES:
             recompute = None if mode == "none" else mode.split()[0]
             split, schedule, ids = _pipeline(name, rank, cfg, m, recompute)
-            if mode.endswith("(torch W)"):
-                compat.share_weight_pass_recomputation(False)
-            step = _stepper(schedule, ids, batch, split)
-            step()  # warm-up: buffers, first-step set-up
-            times = []
-            for _ in range(cfg["steps"]):
+            cells[mode] = (split, _stepper(schedule, ids, batch, split))
+        torch_w = [mode.endswith("(torch W)") for mode in MODES]
+        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for timed in range(cfg["steps"] + 1):  # the first round warms up (buffers, first-step set-up)
+            for mode, theirs in zip(MODES, torch_w, strict=True):  # modes alternate: drift hits each alike
+                compat.share_weight_pass_recomputation(not theirs)
                 dist.barrier()
                 began = time.perf_counter()
-                step()
-                times.append(_slowest(time.perf_counter() - began))
+                cells[mode][1]()
+                seconds = _slowest(time.perf_counter() - began)
+                if timed:
+                    times[mode].append(seconds)
+        for mode, theirs in zip(MODES, torch_w, strict=True):
+            split, step = cells[mode]
+            compat.share_weight_pass_recomputation(not theirs)
             runs = count_layer_runs(split.stages.values())
             with SyncCounter() as syncs:
                 step()
@@ -210,7 +218,7 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
                 {
                     "schedule": name,
                     "mode": mode,
-                    "step_s": min(times),
+                    "step_s": min(times[mode]),
                     "syncs_per_rank": int(total_syncs),
                     "runs_per_microbatch": float(worst_runs),
                     **{

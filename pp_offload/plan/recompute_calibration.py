@@ -11,21 +11,26 @@ forward over its layers, which holds the stage's mask building, the activation s
 the action bookkeeping: +65-74% predicted for +40-46% measured).
 
 What is measured: the probe captures one decoder layer's real inputs (its microbatch's hidden states,
-mask, rotary embeddings: the probe's own shapes, on the probe's device) and `calibrate_recompute` times
-that layer's forward, and its forward + backward (one autograd call over the input and the trainable
-parameters), plain and under each recompute mode, applied with
-`pp_offload.parallel.activation_checkpointing` (the code path training runs). Rounds alternate the modes
-and the fastest of each is kept, so a disturbance on a shared machine lengthens one sample, not one mode.
-From the fastest times (`ModeCost`):
+mask, rotary embeddings: the probe's own shapes, on the probe's device, under the step's autocast) and
+`calibrate_recompute` times that layer plain and under each recompute mode, applied with
+`pp_offload.parallel.activation_checkpointing` (the code path training runs): its forward; forward + one
+full backward (one autograd call over the input and the trainable parameters: B); forward + the input's
+gradient keeping the graph + the parameters' (I then W, as a split backward runs them). Rounds alternate
+the modes and the fastest of each figure is kept, so a disturbance on a shared machine lengthens one
+sample, not one mode. The differences to the plain layer are the mode's `ModeCost`:
 
 - ``forward``: what a recomputed layer's forward costs beyond the plain one (checkpoint hooks, selective's
   output-caching mode);
-- ``recompute``: what one recomputation adds to a backward pass (the backward under the mode minus the
-  plain backward): the price of each recomputation `pp_offload.recompute_plan.recomputations` counts.
+- ``input`` / ``weight`` / ``backward``: what one recomputation adds to an I, a W and a full backward
+  pass: the price of each recomputation `pp_offload.recompute_plan.recomputations` counts.
 
 `pp_offload.plan.auto.RecomputeOption.apply` adds these seconds as they are (per recomputed layer) when the
 measurement carries them, and falls back to the traffic model's shares otherwise (`pp-offload plan`, which
-has no probe). Both are seconds of the probe's own device and shapes, so no rescaling is needed.
+has no probe). Why seconds and not shares here: they are the probe's own device and shapes, so nothing
+needs rescaling, and a share would need "the layer's forward" from the probe's stage forward, which holds
+more than the layer. Why one layer: every decoder layer has the same shapes and ops, and the calibration
+stays cheap (a few dozen passes of one layer: 0.2 s for the tests' tiny Llama, 1-2 s at the bench's
+shape on one CPU core; ``budget_s`` caps the rounds).
 
 Pure Python at import: torch is imported by `calibrate_recompute` only.
 """
