@@ -212,6 +212,9 @@ def calibrate_recompute(
     then the parameters' (W). ``rounds``: timed rounds after one warm-up round (at least 2 run; more stop
     once ``budget_s`` seconds have passed). On CUDA each timing is bracketed by synchronizations.
     ``autocast``: (device type, dtype) to run under, as the training step does (`layer_inputs` notes it).
+    Like any use of `activation_checkpointing`, it installs
+    `pp_offload.runtime.compat.share_weight_pass_recomputation` (process-wide, idempotent, gradients
+    unchanged), so a run that then picks recompute finds it in place.
     """
     import torch
 
