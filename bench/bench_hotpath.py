@@ -9,23 +9,28 @@ bench shows the effect with real compute.
 
 Setup: 2 gloo ranks, one thread each, a Llama of 8 layers, hidden 256, intermediate 688, seq 256, fp32,
 microbatches of one row whose documents are packed (position ids restart), ``--microbatches`` of them (8).
-Every schedule x recompute mode (none, full, selective, mlp) is built fresh and timed side by side: one
-warm-up step, then 5 (``--quick``: 3) steps, each the slowest rank's time; the fastest is reported (on a
-shared machine the fastest step is the one least disturbed by other work), and the ratio to the same
-schedule without recompute. ``full (torch W)`` is full recompute with torch's own weight pass
-(one recomputation per parameter group): the cost before the fix, measured in the same run. ``+once``
-rows recompute once per microbatch (I keeps what it recomputed for W, `pp_offload.runtime.recompute_once`):
-the time that keeping the layer's activations from I to W buys.
+Every schedule x recompute mode (none, full, selective, mlp) is built fresh and timed side by side: per
+schedule, one warm-up round, then 5 (``--quick``: 3) rounds of one step of each mode in turn (so a change
+in the machine's load hits every mode of a schedule alike, not the cells timed last), each the slowest
+rank's time; the fastest is reported (on a shared machine the fastest step is the one least disturbed by
+other work), and the ratio to the same schedule without recompute. ``full (torch W)`` is full recompute
+with torch's own weight pass (one recomputation per parameter group): the cost before the fix, measured in
+the same run. ``+once`` rows recompute once per microbatch (I keeps what it recomputed for W,
+`pp_offload.runtime.recompute_once`): the time that keeping the layer's activations from I to W buys.
 
 Counted on one more step of each cell (not timed): host-synchronizing ops in ``schedule.step``
 (`pp_offload.runtime.step_counts.SyncCounter`) and runs of each checkpointed module per microbatch
 (forward + recomputations; the rule is `pp_offload.recompute_plan.recomputations`).
 
 Predicted: the ``schedule: auto`` planner on a probe of this very model (`pp_offload.plan.auto.measure_step`
-without recompute, then `recompute_options` rescaling it: full recompute adds one layer forward per
-recomputing pass, selective and mlp the share of the forward the planner's HBM-traffic model gives on its
-H100 preset, which is what the recipe uses on a CPU run). Its predicted step of each schedule and mode,
-over the same schedule without recompute, is the predicted ratio.
+without recompute, timing besides one of its decoder layers on its real microbatch plain and under each
+recompute mode: `pp_offload.plan.recompute_calibration`; then `RecomputeOption.apply` charges each
+recomputed layer the measured extra forward, and each I, W or full backward pass the measured cost of one
+recomputation, as many times as `pp_offload.recompute_plan.recomputations` counts). This is what the recipe
+does. Its predicted step of each schedule and mode, over the same schedule without recompute, is the
+predicted ratio (``probe x``). ``H100 x``: the same probe priced by the planner's HBM-traffic model
+instead (shares of the probe's per-layer forward on the H100 preset: what ``schedule: auto`` charged
+before it measured recompute, and what ``pp-offload plan`` still charges without a probe).
 
     python bench/bench_hotpath.py            # ~3 min on 2 cores
     python bench/bench_hotpath.py --quick    # 4 layers, seq 128, 3 timed steps
@@ -146,63 +151,29 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-def _cpu_machine(cfg: dict[str, Any]) -> Any:
-    """The planner's `Machine` for this CPU core: fp32 matmul FLOP/s on the model's own projection shape
-    (achieved, so MFU 1) and elementwise memory bandwidth (a large out-of-place multiply), measured."""
-    import torch
+def _predict(rank: int, cfg: dict[str, Any], m: int) -> tuple[dict[str, dict[tuple[str, str], float]], Any]:
+    """The planner's predicted step (s) of each schedule and recompute mode, from a probe of this model
+    that also measures recompute (``probe``, what ``schedule: auto`` does), and from the same probe priced
+    by the traffic model's H100 shares (``H100``); and the probe's recompute calibration."""
+    from dataclasses import replace
 
-    from pp_offload.plan.machines import Machine
-
-    def best(fn: Any, repeats: int = 5) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-        return min(times)
-
-    a, b = torch.randn(cfg["seq"], cfg["hidden"]), torch.randn(cfg["hidden"], cfg["intermediate"])
-    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / best(lambda: torch.mm(a, b))
-    x, y, z = torch.randn(1 << 22), torch.randn(1 << 22), torch.empty(1 << 22)
-    bandwidth = 3 * x.numel() * 4 / best(lambda: torch.mul(x, y, out=z))
-    return Machine(
-        "this CPU core",
-        flops=flops,
-        tf32_flops=flops,
-        host_bandwidth=bandwidth,
-        p2p_bandwidth=bandwidth,
-        memory_gib=16,
-        mfu=1.0,
-        hbm_bandwidth=bandwidth,
-    )
-
-
-def _predict(rank: int, cfg: dict[str, Any], m: int) -> dict[str, dict[tuple[str, str], float]]:
-    """The planner's predicted step (s) of each schedule and recompute mode, from a probe of this model:
-    with the recompute shares of the H100 preset (what ``schedule: auto`` uses on a CPU run) and of this CPU
-    core (`_cpu_machine`)."""
     from pp_offload.plan.auto import PROBE_OFFLOAD, PROBE_SCHEDULE, choose, measure_step, recompute_options
 
+    modes = tuple(mode for mode in MODES if mode != "none" and " " not in mode)  # "+once" plans included
     batch = _batch(cfg, m)
     split, probe, ids = _pipeline(PROBE_SCHEDULE, rank, cfg, m, None, offload=PROBE_OFFLOAD)
-    measured = measure_step(probe, _stepper(probe, ids, batch, split), steps=2)
-    machines = {"H100": "H100", "cpu": _cpu_machine(cfg)}
+    step = _stepper(probe, ids, batch, split)
+    measured = measure_step(probe, step, steps=2, recompute_modes=("full", "selective", "mlp"))
+    options = recompute_options(
+        _llama_config(cfg), seq_len=cfg["seq"], microbatch_size=1, machine="H100", dtype="fp32", modes=modes
+    )
     out = {}
-    for key, machine in machines.items():
-        options = recompute_options(
-            _llama_config(cfg),
-            seq_len=cfg["seq"],
-            microbatch_size=1,
-            machine=machine,
-            dtype="fp32",
-            modes=tuple(m for m in MODES if m != "none" and " " not in m),
-        )
+    for key, meas in (("probe", measured), ("H100", replace(measured, recompute_costs=None))):
         decision = choose(
-            measured, num_microbatches=m, schedules=list(SCHEDULES), offload=["none"], recompute=options
+            meas, num_microbatches=m, schedules=list(SCHEDULES), offload=["none"], recompute=options
         )
         out[key] = {(c.schedule, c.recompute): c.predicted_step_s for c in decision.candidates}
-    return out
+    return out, measured
 
 
 def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str, Any]:
@@ -213,23 +184,29 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
     from pp_offload.runtime.step_counts import SyncCounter, count_layer_runs
 
     torch.set_num_threads(1)
-    predicted = _predict(rank, cfg, m)
+    predicted, probe = _predict(rank, cfg, m)
     batch = _batch(cfg, m)
     rows = []
     for name in SCHEDULES:
+        cells = {}
         for mode in MODES:
             recompute = None if mode == "none" else mode.split()[0]
             split, schedule, ids = _pipeline(name, rank, cfg, m, recompute)
-            if mode.endswith("(torch W)"):
-                compat.share_weight_pass_recomputation(False)
-            step = _stepper(schedule, ids, batch, split)
-            step()  # warm-up: buffers, first-step set-up
-            times = []
-            for _ in range(cfg["steps"]):
+            cells[mode] = (split, _stepper(schedule, ids, batch, split))
+        torch_w = [mode.endswith("(torch W)") for mode in MODES]
+        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for timed in range(cfg["steps"] + 1):  # the first round warms up (buffers, first-step set-up)
+            for mode, theirs in zip(MODES, torch_w, strict=True):  # modes alternate: drift hits each alike
+                compat.share_weight_pass_recomputation(not theirs)
                 dist.barrier()
                 began = time.perf_counter()
-                step()
-                times.append(_slowest(time.perf_counter() - began))
+                cells[mode][1]()
+                seconds = _slowest(time.perf_counter() - began)
+                if timed:
+                    times[mode].append(seconds)
+        for mode, theirs in zip(MODES, torch_w, strict=True):
+            split, step = cells[mode]
+            compat.share_weight_pass_recomputation(not theirs)
             runs = count_layer_runs(split.stages.values())
             with SyncCounter() as syncs:
                 step()
@@ -243,7 +220,7 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
                 {
                     "schedule": name,
                     "mode": mode,
-                    "step_s": min(times),
+                    "step_s": min(times[mode]),
                     "syncs_per_rank": int(total_syncs),
                     "runs_per_microbatch": float(worst_runs),
                     **{
@@ -254,26 +231,34 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
                     },
                 }
             )
-    return {"rows": rows}
+    calibration = probe.recompute_costs
+    return {
+        "rows": rows,
+        "probe": probe.table(),
+        "recompute_costs": calibration.to_dict() if calibration is not None else None,
+    }
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     """Measured and predicted ratios to the same schedule without recompute; ``off``: predicted/measured."""
     base = {r["schedule"]: r for r in rows if r["mode"] == "none"}
     lines = [
-        f"{'schedule':24} {'recompute':15} {'step s':>7} {'x none':>7} {'cpu x':>6} {'off':>5} "
+        f"{'schedule':24} {'recompute':15} {'step s':>7} {'x none':>7} {'probe x':>7} {'off':>5} "
         f"{'H100 x':>6} {'off':>5} {'runs/mb':>7} {'syncs':>5}",
     ]
     for r in rows:
         b = base[r["schedule"]]
         r["ratio"] = r["step_s"] / b["step_s"]
         cells = []
-        for key in ("cpu", "H100"):
+        for key in ("probe", "H100"):
             p, q = r.get(f"predicted_step_s_{key}"), b.get(f"predicted_step_s_{key}")
             pred = p / q if p and q and not r["mode"].endswith("(torch W)") else None
             r[f"predicted_ratio_{key}"] = pred
+            width = 7 if key == "probe" else 6
             cells.append(
-                f"{pred:6.2f} {(pred / r['ratio'] - 1) * 100:+4.0f}%" if pred else f"{'-':>6} {'-':>5}"
+                f"{pred:{width}.2f} {(pred / r['ratio'] - 1) * 100:+4.0f}%"
+                if pred
+                else f"{'-':>{width}} {'-':>5}"
             )
         lines.append(
             f"{r['schedule']:24} {r['mode']:15} {r['step_s']:7.3f} {r['ratio']:7.2f} {cells[0]} {cells[1]} "
@@ -298,7 +283,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         ]
         ax.bar(xs, measured, width, label=f"{mode} (measured)")
         predicted = [
-            next(r["predicted_ratio_cpu"] for r in rows if r["schedule"] == s and r["mode"] == mode)
+            next(r["predicted_ratio_probe"] for r in rows if r["schedule"] == s and r["mode"] == mode)
             for s in SCHEDULES
         ]
         ax.scatter(
@@ -312,7 +297,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(SCHEDULES))], SCHEDULES, fontsize=8)
     ax.set_ylabel("step time / without recompute")
-    ax.set_title("Recompute cost on CPU (2 gloo ranks); black ticks: planner (CPU-calibrated)")
+    ax.set_title(
+        "Recompute cost on CPU (2 gloo ranks); black ticks: planner (recompute measured by the probe)"
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -336,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     results = run_on_ranks(_worker, 2, cfg, args.microbatches, timeout=1800, op_timeout=600)
     rows = results[0]["rows"]
     table = _table(rows)
+    print(results[0]["probe"])
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "hotpath_quick" if args.quick else "hotpath"
@@ -346,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": cfg,
         "microbatches": args.microbatches,
         "seconds": round(time.perf_counter() - began, 1),
+        "recompute_costs": results[0]["recompute_costs"],
     }
     (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     _plot(rows, args.out / f"{name}.png")

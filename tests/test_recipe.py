@@ -261,6 +261,8 @@ def test_auto_schedule_probes_chooses_the_same_everywhere_and_trains_exactly(
     recorded = json.loads((tmp_path / "full" / "auto.json").read_text())
     assert recorded["decision"]["schedule"] == decision["schedule"]
     assert recorded["measurement"]["stages"]
+    # the probe measured what each candidate recompute mode costs on one of the model's layers
+    assert set(recorded["measurement"]["recompute_costs"]["modes"]) == {"mlp", "selective", "full"}
 
 
 def test_auto_judges_recompute_only_when_unset_and_applies_its_pick(tmp_path: Path) -> None:
@@ -274,13 +276,14 @@ def test_auto_judges_recompute_only_when_unset_and_applies_its_pick(tmp_path: Pa
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pp_offload.plan.auto import DEFAULT_RECOMPUTE
-    from pp_offload.recipe.auto import chosen_config, machine_preset, recompute_candidates
+    from pp_offload.recipe.auto import chosen_config, machine_preset, recompute_candidates, recompute_modes
 
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"}))
     auto = {"pipeline__schedule": "auto", "pipeline__memory_limit": 0.5}
     config = RecipeConfig.from_dict(_config(tmp_path, **auto))
     options = recompute_candidates(config, model, torch.device("cpu"))
     assert [o.label for o in options] == list(DEFAULT_RECOMPUTE)  # two-mode plans included
+    assert recompute_modes(options) == ("mlp", "selective", "full")  # what the probe times
     by_label = {o.label: o for o in options}
     mlp, selective, full = by_label["mlp"], by_label["selective"], by_label["full"]
     assert by_label["selective:0.75,mlp"].rest == "mlp"

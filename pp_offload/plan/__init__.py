@@ -12,7 +12,9 @@ Command line: ``pp-offload plan --model PATH_OR_ID --seq-len 4096 --microbatches
 Modules, one job each: `model` (config -> numbers), `memory` (bytes), `costs` (seconds), `split` (layers
 per stage), `machines` (GPU presets), `orders` (schedule orders), `evaluate` (simulate one schedule),
 `planner` (rank and recommend), `report` (table and plot), `validate` (measure HF stages on CPU), `cli`,
-`handoff` (`offload_inputs`: the planner's per-stage figures for the runtime's offload plan).
+`handoff` (`offload_inputs`: the planner's per-stage figures for the runtime's offload plan),
+`recompute_calibration` (what recompute costs, measured by ``schedule: auto``'s probe on one of the
+model's decoder layers).
 """
 
 from __future__ import annotations

@@ -333,7 +333,8 @@ class RecomputeOption:
     kept_share: share of one layer's saved bytes that stays saved (in (0, 1]).
     forward_share: time one backward pass (I or W) spends recomputing one layer, as a share of the layer's
         forward: 1 for full recompute; for selective, the elementwise ops' HBM traffic over the layer's
-        forward time (`recompute_options`).
+        forward time (`recompute_options`). Used only where the measurement carries no measured recompute
+        cost for the mode (`Measurement.recompute_costs`, see `apply`).
 
     rest, rest_kept_share, rest_forward_share: the mode of the other layers of each stage and its two
         shares, for a two-mode plan (``"selective:0.75,mlp"``: selective on the first three quarters, the
@@ -341,8 +342,15 @@ class RecomputeOption:
     once: a ``+once`` plan (`pp_offload.runtime.recompute_once`): I recomputes and keeps what it recomputed
         for W, so W recomputes nothing and the freed bytes are back on the device from I to W.
 
-    Why shares, not bytes and seconds: they scale the probe's own measurement, so the same option serves
-    a CPU probe and a GPU run.
+    Why shares of bytes: the kept share scales the probe's own measured bytes per layer, so the same
+    option serves any probe. Why the time is measured seconds where the probe measured them, and a share
+    only otherwise: a share of "the layer's forward" needs that forward, and the probe's per-layer F (its
+    stage's forward over its layers) also holds the stage's mask building, the activation store's capture
+    hooks and the action bookkeeping, while the traffic model has no per-op cost at all (selective's
+    dispatch mode over every op, the checkpoint hooks in the forward); on the CPU bench the shares priced
+    full recompute at +65-74% of the step for +40-46% measured and selective at +5% for +25-40%
+    (`pp_offload.plan.recompute_calibration`). The shares stay for `pp-offload plan`, which models an
+    H100 run without a probe.
     """
 
     mode: str
@@ -376,10 +384,18 @@ class RecomputeOption:
         were recomputed: per stage, those layers' saved bytes
         scaled by ``kept_share`` (each layer's bytes taken as the smallest measured per layer: first and
         last stages carry the embedding, head and loss besides), copy times in proportion, and I and W
-        each lengthened by one recompute of the stage's layers (a layer's forward taken as the smallest
-        measured per layer), as many times as the runtime recomputes in each
-        (`pp_offload.recompute_plan.recomputations`): stage 0's I and W come from one backward in torch (its
-        I is ~0), one recompute added to W; a full backward B recomputes once (``recompute_shared``)."""
+        each lengthened by one recompute of the stage's recomputed layers, as many times as the runtime
+        recomputes in each (`pp_offload.recompute_plan.recomputations`): stage 0's I and W come from one
+        backward in torch (its I is ~0), one recompute added to W; a full backward B recomputes once
+        (``recompute_shared``).
+
+        Per recomputed layer of a mode, where ``measurement.recompute_costs`` measured the mode (the
+        probe's calibration, `pp_offload.plan.recompute_calibration.ModeCost`): F grows by its measured
+        ``forward`` (the checkpointing's own cost in the forward), I and W by their measured ``input`` and
+        ``weight`` per recomputation, a full backward by ``backward`` (also stage 0's W, torch's whole
+        backward there). Otherwise (a measurement without calibration, e.g. the planner's own): each
+        recomputing pass grows by ``forward_share`` x a layer's forward, taken as the smallest measured
+        per layer (stage F over its layers), and F is unchanged."""
         with_layers = [st for st in measurement.stages if st.layers > 0]
         if not with_layers:
             raise ValueError(
@@ -388,6 +404,10 @@ class RecomputeOption:
             )
         per_layer_bytes = min(st.saved_bytes / st.layers for st in with_layers)
         per_layer_forward = min(st.F / st.layers for st in with_layers)
+        mine, rest = (
+            self._layer_costs(measurement, mode, share, per_layer_forward)
+            for mode, share in ((self.mode, self.forward_share), (self.rest, self.rest_forward_share))
+        )
         stages = []
         plan = RecomputePlan(self.mode, self.share, self.rest, self.once)
         for index, st in enumerate(measurement.stages):
@@ -396,16 +416,19 @@ class RecomputeOption:
             freed = count * (1.0 - self.kept_share) + others * (1.0 - self.rest_kept_share)
             saved = max(0, round(st.saved_bytes - per_layer_bytes * freed))
             ratio = saved / st.saved_bytes if st.saved_bytes else 1.0
-            extra = per_layer_forward * (count * self.forward_share + others * self.rest_forward_share)
+            added = [count * a + others * b for a, b in zip(mine, rest, strict=True)]  # F, I, W, B
             layer_bytes, units = self._units(st, plan.modes(st.layers), per_layer_bytes)
             first = index == 0
             at_i, at_w, at_b = (recomputations(k, first_stage=first, once=self.once) for k in ("I", "W", "B"))
+            # torch's first stage runs its whole backward at W: a full backward's recomputation
+            at_input, at_weight = added[1] * at_i, (added[3] if first else added[2]) * at_w
             stages.append(
                 replace(
                     st,
-                    I=st.I + extra * at_i,
-                    W=st.W + extra * at_w,
-                    recompute_shared=st.recompute_shared + extra * (at_i + at_w - at_b),
+                    F=st.F + added[0],
+                    I=st.I + at_input,
+                    W=st.W + at_weight,
+                    recompute_shared=st.recompute_shared + max(0.0, at_input + at_weight - added[3] * at_b),
                     saved_bytes=saved,
                     held_after_input=round(st.saved_bytes - saved) if self.once and not first else 0,
                     offload=st.offload * ratio,
@@ -415,6 +438,22 @@ class RecomputeOption:
                 )
             )
         return replace(measurement, stages=tuple(stages))
+
+    @staticmethod
+    def _layer_costs(
+        measurement: Measurement, mode: str, forward_share: float, per_layer_forward: float
+    ) -> tuple[float, float, float, float]:
+        """Seconds one layer in ``mode`` adds to its forward, and to an I, a W and a B pass that recompute
+        it once: measured where the probe calibrated the mode, else the share of the layer's forward
+        (`apply`)."""
+        if mode == "none":
+            return 0.0, 0.0, 0.0, 0.0
+        calibration = measurement.recompute_costs
+        cost = calibration.cost(mode) if calibration is not None else None
+        if cost is not None:
+            return cost.forward, cost.input, cost.weight, cost.backward
+        once = per_layer_forward * forward_share
+        return 0.0, once, once, once
 
     def _units(
         self, st: StageMeasurement, modes: list[str], per_layer_bytes: float

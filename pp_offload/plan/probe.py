@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from pp_offload.plan.recompute_calibration import RecomputeCalibration
 
 __all__ = [
     "PROBE_OFFLOAD",
@@ -134,6 +136,11 @@ class Measurement:
     compute hides of its copy): the planner's FLOP shares for the model's config
     (`pp_offload.plan.costs.layer_unit_shares`, via `unit_shares_for`), not timed (see `measure_step`);
     None: unknown, and ``schedule: auto`` then offers no sub-layer candidates."""
+    recompute_costs: RecomputeCalibration | None = None
+    """What recompute costs per decoder layer on the probe's device, measured on one of the probed
+    model's layers (`measure_step`'s ``recompute_modes``, `pp_offload.plan.recompute_calibration`);
+    `pp_offload.plan.auto.RecomputeOption.apply` charges it instead of the traffic model's shares. None:
+    not measured."""
 
     @property
     def units_known(self) -> str | None:
@@ -166,6 +173,8 @@ class Measurement:
             if len(shares) != 2 or min(shares) < 0 or abs(sum(shares) - 1.0) > 1e-6:
                 raise ValueError(f"Measurement.unit_shares must be two shares summing to 1, got {shares!r}")
             object.__setattr__(self, "unit_shares", shares)
+        if self.recompute_costs is not None and not isinstance(self.recompute_costs, RecomputeCalibration):
+            object.__setattr__(self, "recompute_costs", RecomputeCalibration.from_dict(self.recompute_costs))
 
     @classmethod
     def uniform(
@@ -205,6 +214,8 @@ class Measurement:
         out = asdict(self)
         out["stages"] = [asdict(s) for s in self.stages]
         out["notes"] = list(self.notes)
+        if self.recompute_costs is not None:
+            out["recompute_costs"] = self.recompute_costs.to_dict()
         return out
 
     @classmethod
@@ -248,6 +259,8 @@ class Measurement:
             )
         elif self.units_known is not None:
             lines.append(f"sub-layer units unknown: {self.units_known}")
+        if self.recompute_costs is not None:
+            lines.append(self.recompute_costs.summary())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -261,6 +274,7 @@ def measure_step(
     sync_cuda: bool | None = None,
     comm: float | None = None,
     unit_shares: tuple[float, float] | None = None,
+    recompute_modes: Sequence[str] = (),
 ) -> Measurement:
     """Run ``step`` (one ``schedule.step(...)``) ``steps`` times while timing every action; return the same
     `Measurement` on every rank of ``group`` (this pipeline's process group; None = WORLD).
@@ -281,10 +295,19 @@ def measure_step(
     (`unit_shares_for`). Why not timed: on CPU (where the recipe rehearses a GPU run) a small layer's time
     split reflects CPU kernels and Python overhead, not the GPU's; on CUDA, timing inside a forward needs a
     synchronize at every unit boundary, which slows the very step being measured.
+
+    Recompute: ``recompute_modes`` (e.g. ``("full", "selective", "mlp")``) are timed after the steps on one
+    decoder layer per rank (its first stage's first layer, with the inputs it had in the last probe step:
+    `pp_offload.plan.recompute_calibration.calibrate_recompute`, while the other ranks time theirs); the
+    per-figure median over the ranks is `Measurement.recompute_costs`, what
+    `pp_offload.plan.auto.RecomputeOption.apply` charges. Skipped (with a note) where the layers are
+    already checkpointed or cannot take a mode. Costs a few dozen layer passes (well under a second on
+    CPU for a small model).
     """
     import torch
     import torch.distributed as dist
 
+    from pp_offload.plan.recompute_calibration import calibrate_recompute, layer_inputs
     from pp_offload.runtime import compat
     from pp_offload.runtime.timing import ActionTimer
 
@@ -318,6 +341,11 @@ def measure_step(
     undo = [_note_outputs(st, outputs) for st in stages]
     units: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}
     undo += [_mark_units(st, store, units) for st in stages]
+    calibrated = _calibration_layer(stages) if recompute_modes else None
+    held: dict[str, Any] = {}
+    if calibrated is not None:
+        held, release = layer_inputs(calibrated)
+        undo.append(release)
     runtime.offloaded |= extra  # capture every chunk (not offloaded: no OFFLOAD action for these)
     timer = ActionTimer(schedule, sync_cuda=sync_cuda)
     try:
@@ -331,7 +359,21 @@ def measure_step(
         runtime.offloaded -= extra
         for fn in reversed(undo):
             fn()
+    recompute: dict[str, Any] | None = None
+    recompute_error = None
+    if recompute_modes and "args" not in held:
+        recompute_error = "no decoder layer ran on this rank"
+    elif recompute_modes:
+        try:
+            recompute = calibrate_recompute(
+                calibrated, held["args"], held["kwargs"], modes=recompute_modes, autocast=held["autocast"]
+            ).to_dict()
+        except ValueError as error:
+            recompute_error = str(error)
+        held.clear()
     local = {
+        "recompute": recompute,
+        "recompute_error": recompute_error,
         "events": [(e.action, e.end - e.start) for e in timer.events],
         "bytes": [(int(s), int(j), int(b)) for (s, j), b in store.last_captured.items()],
         "comm": None,
@@ -461,6 +503,21 @@ def _mark_units(
             handle.remove()
 
     return undo
+
+
+def _calibration_layer(stages: Sequence[Any]) -> Any:
+    """The decoder layer this rank times recompute on: its first stage's (in stage order) first layer;
+    None when its stages hold none."""
+    from pp_offload.runtime.offload import stage_layers
+
+    for stage in sorted(stages, key=lambda st: int(st.stage_index)):
+        try:
+            layers = stage_layers(stage)
+        except ValueError:
+            continue
+        if layers:
+            return layers[0]
+    return None
 
 
 def _layer_count(stage: Any) -> int:
@@ -626,6 +683,9 @@ def _summarize(
     notes = []
     if rate is None:
         notes.append("no chunk was offloaded in the probe: copy times unknown (0)")
+    errors = sorted({p["recompute_error"] for p in parts if p.get("recompute_error")})
+    notes += [f"recompute costs not measured: {e}" for e in errors]
+    calibrations = [RecomputeCalibration.from_dict(p["recompute"]) for p in parts if p.get("recompute")]
     return Measurement(
         num_ranks=num_ranks,
         stages=tuple(stages),
@@ -637,4 +697,5 @@ def _summarize(
         first_stage=first_stage,
         notes=tuple(notes),
         unit_shares=unit_shares,
+        recompute_costs=RecomputeCalibration.combine(calibrations) if not errors else None,
     )

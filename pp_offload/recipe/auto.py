@@ -22,10 +22,15 @@ budget:sublayer]``). The probe measures what budget offload would move per decod
 unit; the units' compute shares come from the planner's FLOPs for the model's config (`unit_shares_for`).
 
 Activation recompute: unless ``train.activation_checkpointing`` is already set (the probe then measures
-with it), ``choose`` also judges selective and full recompute of the decoder layers, from the probe's
-measurement rescaled by the planner's model of this model's layers (`recompute_options`: the share of a
-layer's saved bytes that stays, the recompute time as a share of its forward on the GPU preset named by
-the device, H100 where it names none). A recompute mode wins only where it lets a faster candidate fit.
+with it), ``choose`` also judges recompute of the decoder layers (`DEFAULT_RECOMPUTE`), from the probe's
+measurement rescaled: the share of a layer's saved bytes that stays comes from the planner's model of
+this model's layers (`recompute_options`), and the time from the probe itself, which times one of the
+model's decoder layers on its real microbatch, on the run's device, plain and under each mode the
+candidates use (`measure_step`'s ``recompute_modes``, `pp_offload.plan.recompute_calibration`: the
+checkpointing's cost in the forward and each recomputation's in I, W and a full backward). Only where
+that measurement failed (it is noted in the probe's table) does the time fall back to the planner's
+traffic model on the GPU preset named by the device (H100 where it names none). A recompute mode wins
+only where it lets a faster candidate fit.
 
 Rank 0 logs the ranked candidates and writes them, with the measurement, to ``<output.dir>/auto.json``.
 """
@@ -48,7 +53,15 @@ from pp_offload.recipe.checkpoint import rng_state, set_rng_state
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.parts import Pipeline, Topology, build_pipeline
 
-__all__ = ["AUTO", "choose_schedule", "chosen_config", "is_auto", "machine_preset", "recompute_candidates"]
+__all__ = [
+    "AUTO",
+    "choose_schedule",
+    "chosen_config",
+    "is_auto",
+    "machine_preset",
+    "recompute_candidates",
+    "recompute_modes",
+]
 
 AUTO = "auto"
 _SHOWN = 8  # candidates printed; auto.json has them all
@@ -107,6 +120,15 @@ def recompute_candidates(config: RecipeConfig, model: nn.Module, device: torch.d
         return []
 
 
+def recompute_modes(options: list[Any]) -> tuple[str, ...]:
+    """The recompute modes ``options`` use (either mode of a two-mode plan), least recompute first: what
+    the probe measures the cost of (`measure_step`'s ``recompute_modes``)."""
+    from pp_offload.recompute_plan import MODES
+
+    used = {mode for o in options for mode in (o.mode, o.rest)}
+    return tuple(m for m in MODES if m in used and m != "none")
+
+
 def machine_preset(device: torch.device) -> str:
     """The planner's preset for ``device``: the CUDA device's name when it names one (GH200 before H200 and
     H100, which its name contains), else H100 (a CPU run rehearses a GPU one)."""
@@ -155,6 +177,7 @@ def choose_schedule(
                 )
             return chosen_config(config, decision), decision
     spec = config.pipeline
+    options = recompute_candidates(config, model, device)  # pure: the same on every rank
     rng = rng_state()
     probe = build_pipeline(_probe_config(config), model, topo, device, mesh, shard=False)
     measurement = measure_step(
@@ -163,6 +186,7 @@ def choose_schedule(
         steps=int(spec.auto_probe_steps),
         group=probe.pp_group,
         unit_shares=unit_shares_for(unwrap_peft(model).config, seq_len=config.data.seq_len),
+        recompute_modes=recompute_modes(options),
     )
     for param in model.parameters():
         param.grad = None
@@ -179,7 +203,7 @@ def choose_schedule(
                 memory_limit=spec.memory_limit,
                 activation_budget_bytes=budget,
                 offload=spec.offload if isinstance(spec.offload, list) else None,
-                recompute=recompute_candidates(config, model, device),
+                recompute=options,
             )
             message = [{"decision": decision.to_dict()}]
         except (AutoError, ValueError) as error:
