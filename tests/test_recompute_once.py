@@ -58,7 +58,8 @@ def _hf_grads(model: nn.Module, batch: dict, split: bool) -> list[torch.Tensor]:
     """Full backward, or zero-bubble style: the embedding's gradient (an I-like pass over every layer)
     with ``retain_graph``, then the other parameters' (W)."""
     model.zero_grad(set_to_none=True)
-    loss = model(**batch).last_hidden_state.square().mean()
+    # no KV cache, as in training: a cache passed to checkpointed layers would tie their graphs to it
+    loss = model(**batch, use_cache=False).last_hidden_state.square().mean()
     params = [p for p in model.parameters() if p.requires_grad]
     if not split:
         loss.backward()
@@ -314,3 +315,28 @@ def test_within_search_keeps_once_on_every_share_of_a_family() -> None:
     assert plan_shares("full:S+once", [2, 2]) == ["full:0.5+once", "full+once"]
     assert plan_shares("selective:S,mlp+once", [2, 2])[-1] == "selective+once"
     assert plan_shares("mlp+once", [2, 2]) == ["mlp+once"]
+
+
+@pytest.mark.parametrize("mode", ["full+once", "selective+once"])
+def test_no_frame_or_recomputed_tensor_outlives_its_graph(mode: str, monkeypatch) -> None:
+    """A recomputation runs ops that save their own outputs (rsqrt in the norms, the attention kernel):
+    had its graph held those outputs with their history, the cycle through C++ would keep every tensor it
+    recomputed alive for good (16 MB a step in a pipeline, found by bench_hotpath)."""
+    model, layers, batch = _tiny_hf("llama")
+    lasting = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: list[StorageWeakRef] = []
+    recompute = recompute_once._Frame.recompute
+
+    def recording(self) -> None:
+        recompute(self)
+        storages = (t.untyped_storage() for t in self.recomputed.values())
+        held.extend(StorageWeakRef(s) for s in storages if s.data_ptr() not in lasting)
+
+    monkeypatch.setattr(recompute_once._Frame, "recompute", recording)
+    activation_checkpointing({0: model}, layers=lambda _: layers, mode=mode)
+    for split in (False, True):
+        _hf_grads(model, batch, split)
+    gc.collect()
+    alive = [o for o in gc.get_objects() if isinstance(o, recompute_once._Frame)]
+    assert alive == [], f"{len(alive)} checkpoint frames outlived their graph"
+    assert held and all(ref.expired() for ref in held), "recomputed tensors outlived their graph"

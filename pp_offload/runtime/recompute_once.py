@@ -130,9 +130,13 @@ class _Frame:
     def recompute(self) -> None:
         wanted = {h.index for ref in self.holders if (h := ref()) is not None}
         last = len(self.holders)
+        shapes = self.shapes
         recomputed: dict[int, torch.Tensor] = {}
         count = 0
 
+        # The hook does not reach the frame: autograd keeps it with whatever the recomputation saved, and
+        # a tensor of the recomputation may outlive it in an argument the frame holds (a KV cache gets
+        # the recomputed keys and values appended): a cycle through C++ that no collector breaks.
         def pack(x: torch.Tensor) -> torch.Tensor:
             nonlocal count
             index = count
@@ -142,17 +146,21 @@ class _Frame:
                     f"checkpoint_once: the recomputation saved more tensors than the forward ({last}); the "
                     "checkpointed layer must run the same ops in backward as in forward"
                 )
-            if (x.shape, x.dtype) != self.shapes[index]:
+            if (x.shape, x.dtype) != shapes[index]:
                 raise RecomputeMismatchError(
                     f"checkpoint_once: saved tensor {index} of the recomputation is {tuple(x.shape)} "
-                    f"{x.dtype}, the forward's {tuple(self.shapes[index][0])} {self.shapes[index][1]}; the "
+                    f"{x.dtype}, the forward's {tuple(shapes[index][0])} {shapes[index][1]}; the "
                     "checkpointed layer must run the same ops in backward as in forward"
                 )
+            # detached: the recomputation's own graph must not hold a tensor whose grad_fn holds this hook
+            # (an op that saves its output would make a cycle through C++ that no garbage collector
+            # breaks, keeping this frame and every tensor it recomputed alive)
+            kept = x.detach() if x.requires_grad else x
             if index in wanted:
-                recomputed[index] = x.detach() if x.requires_grad else x
+                recomputed[index] = kept
             if count == last:
                 raise _StopRecomputation
-            return x
+            return kept
 
         args = self._inputs()
         with contextlib.ExitStack() as stack:
