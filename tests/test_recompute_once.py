@@ -337,6 +337,6 @@ def test_no_frame_or_recomputed_tensor_outlives_its_graph(mode: str, monkeypatch
     for split in (False, True):
         _hf_grads(model, batch, split)
     gc.collect()
-    alive = [o for o in gc.get_objects() if isinstance(o, recompute_once._Frame)]
+    alive = [o for o in gc.get_objects() if type(o) is recompute_once._Frame]
     assert alive == [], f"{len(alive)} checkpoint frames outlived their graph"
     assert held and all(ref.expired() for ref in held), "recomputed tensors outlived their graph"
