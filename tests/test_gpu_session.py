@@ -145,30 +145,27 @@ def test_quick_last_runs_the_rank_with_the_lm_head(tmp_path: Path) -> None:
     assert parts == ["replay"]
 
 
+def test_a_bad_configuration_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "bench_gpu_replay.py"), "--tiny", "--device", "cpu",
+        "--out", str(tmp_path), "--configs", "ScheduleVHalf/none/none", "ScheduleVHalf/budget:autoo/none",
+        "ScheduleVHaf/none/none", "ScheduleVHalf/none/selectve+once",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    for bad in ("budget:autoo", "ScheduleVHaf", "selectve+once"):
+        assert bad in proc.stderr
+    assert "ScheduleVHalf/none/none'" not in proc.stderr
+    assert not list(tmp_path.iterdir())  # refused before measuring or writing
+
+
 def _bench(monkeypatch: pytest.MonkeyPatch):
     spec = importlib.util.spec_from_file_location("bench_gpu_replay", ROOT / "bench" / "bench_gpu_replay.py")
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_gpu_replay", module)  # its dataclasses look themselves up
     spec.loader.exec_module(module)
     return module
-
-
-def test_a_bad_configuration_is_refused_before_anything_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    bench = _bench(monkeypatch)
-    argv = [
-        "--tiny", "--device", "cpu", "--out", str(tmp_path), "--configs", "ScheduleVHalf/none/none",
-        "ScheduleVHalf/budget:autoo/none", "ScheduleVHaf/none/none", "ScheduleVHalf/none/selectve+once",
-    ]  # fmt: skip
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    for bad in ("budget:autoo", "ScheduleVHaf", "selectve+once"):
-        assert bad in err
-    assert "ScheduleVHalf/none/none'" not in err
-    assert not list(tmp_path.iterdir())  # refused before measuring or writing
 
 
 def _offending_call() -> None:
@@ -197,18 +194,17 @@ def test_sync_check_names_the_offending_call(monkeypatch: pytest.MonkeyPatch, st
         assert result["where"].startswith("test_gpu_session.py:") and "_offending_call" in result["where"]
 
 
-def test_a_spent_time_budget_skips_the_rest_and_keeps_meta(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_spent_time_budget_skips_the_rest_and_keeps_meta(tmp_path: Path) -> None:
     """``--budget-s``: past the budget no configuration starts; each is recorded as skipped, with meta."""
-    monkeypatch.setenv("PP_OFFLOAD_ORDER_CACHE", "off")
-    bench = _bench(monkeypatch)
-    argv = [
-        "--tiny", "--device", "cpu", "--dtype", "fp32", "--seq", "16", "--microbatches", "4", "--pp", "2",
-        "--steps", "1", "--sync-check", "--budget-s", "0", "--out", str(tmp_path), "--name", "spent",
-        "--configs", "ScheduleVHalf/none/none", "ScheduleVZB/none/none",
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PP_OFFLOAD_ORDER_CACHE": "off"}
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "bench_gpu_replay.py"), "--tiny", "--device", "cpu", "--dtype",
+        "fp32", "--seq", "16", "--microbatches", "4", "--pp", "2", "--steps", "1", "--sync-check",
+        "--budget-s", "0", "--out", str(tmp_path), "--name", "spent", "--configs", "ScheduleVHalf/none/none",
+        "ScheduleVZB/none/none",
     ]  # fmt: skip
-    assert bench.main(argv) == 0
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / "spent.json").read_text())
     assert data["meta"]["mode"] == "sync_check" and data["meta"]["git_commit"]
     assert [r["skipped"].startswith("skipped: time budget") for r in data["records"]] == [True, True]
