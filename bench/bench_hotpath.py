@@ -158,12 +158,13 @@ def _predict(rank: int, cfg: dict[str, Any], m: int) -> tuple[dict[str, dict[tup
     from dataclasses import replace
 
     from pp_offload.plan.auto import PROBE_OFFLOAD, PROBE_SCHEDULE, choose, measure_step, recompute_options
+    from pp_offload.plan.recompute_calibration import CALIBRATED_MODES
 
     modes = tuple(mode for mode in MODES if mode != "none" and " " not in mode)  # "+once" plans included
     batch = _batch(cfg, m)
     split, probe, ids = _pipeline(PROBE_SCHEDULE, rank, cfg, m, None, offload=PROBE_OFFLOAD)
     step = _stepper(probe, ids, batch, split)
-    measured = measure_step(probe, step, steps=2, recompute_modes=("full", "selective", "mlp"))
+    measured = measure_step(probe, step, steps=2, recompute_modes=CALIBRATED_MODES)
     options = recompute_options(
         _llama_config(cfg), seq_len=cfg["seq"], microbatch_size=1, machine="H100", dtype="fp32", modes=modes
     )

@@ -197,9 +197,7 @@ def parse_recompute(value: str | RecomputePlan) -> RecomputePlan:
                 f"{suffix.strip()!r}"
             )
         plan = parse_recompute(base)
-        if plan.mode == "none":
-            raise ValueError(f"recompute {value!r}: '+once' applies to a plan that recomputes; drop it")
-        return RecomputePlan(plan.mode, plan.share, plan.rest, once=True)
+        return RecomputePlan(plan.mode, plan.share, plan.rest, once=True)  # refuses none+once
     text, comma, rest = text.partition(",")
     if comma:
         first = parse_recompute(text)

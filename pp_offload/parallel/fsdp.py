@@ -354,6 +354,9 @@ _WRAPPERS: dict[tuple[str, bool], Callable[..., Any]] = {
 }
 """The forward wrapper of each (mode, once) (`pp_offload.recompute_plan.RecomputePlan.once`)."""
 
+_MODE_OF = {wrapper: key for key, wrapper in _WRAPPERS.items() if key[0] != "mlp"}
+"""(mode, once) of a wrapper found on a layer's own forward; on its ``mlp`` a selective one means mlp."""
+
 _NOT_WRAPPED = ("none", False)
 
 
@@ -383,12 +386,11 @@ def _current_mode(layer: nn.Module) -> tuple[str, bool]:
     ``selective``), its ``mlp``'s (``mlp``), or not at all (``("none", False)``)."""
     own = _wrapper_of(layer)
     if own is not None:
-        once = own in (_checkpointed_once, _selective_once)
-        return ("full" if own in (_checkpointed, _checkpointed_once) else "selective", once)
+        return _MODE_OF[own]
     mlp = getattr(layer, "mlp", None)
     inner = _wrapper_of(mlp) if isinstance(mlp, nn.Module) else None
-    if inner in (_selective, _selective_once):
-        return ("mlp", inner is _selective_once)
+    if inner is not None and _MODE_OF[inner][0] == "selective":
+        return ("mlp", _MODE_OF[inner][1])
     return _NOT_WRAPPED
 
 

@@ -430,7 +430,7 @@ class RecomputeOption:
                     W=st.W + at_weight,
                     recompute_shared=st.recompute_shared + max(0.0, at_input + at_weight - added[3] * at_b),
                     saved_bytes=saved,
-                    held_after_input=round(st.saved_bytes - saved) if self.once and not first else 0,
+                    held_after_input=st.saved_bytes - saved if self.once and not first else 0,
                     offload=st.offload * ratio,
                     reload=st.reload * ratio,
                     layer_bytes=layer_bytes,

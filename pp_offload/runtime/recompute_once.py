@@ -66,10 +66,16 @@ class _Holder:
         self.index = index
 
 
-def _drop(frame_ref: weakref.ReferenceType, index: int, _: Any) -> None:
-    frame = frame_ref()
-    if frame is not None and frame.recomputed is not None:
-        frame.recomputed.pop(index, None)
+def _forget(frame_ref: weakref.ReferenceType, index: int) -> Callable[[Any], None]:
+    """A weakref callback that forgets one recomputed tensor; it holds the frame weakly, so that a frame
+    is never kept alive by its own holders' callbacks."""
+
+    def callback(_: Any) -> None:
+        frame = frame_ref()
+        if frame is not None and frame.recomputed is not None:
+            frame.recomputed.pop(index, None)
+
+    return callback
 
 
 class _Frame:
@@ -99,13 +105,14 @@ class _Frame:
         self.holders: list[weakref.ReferenceType] = []
         self.shapes: list[tuple[torch.Size, torch.dtype]] = []
         self.recomputed: dict[int, torch.Tensor] | None = None
+        self.weak_self = weakref.ref(self)
 
     # forward ---------------------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Holder:
         holder = _Holder(len(self.holders))
         # when autograd releases the saved tensor (its node ran without retain_graph, or the graph went),
         # the recomputed copy goes too
-        self.holders.append(weakref.ref(holder, _weak_drop(self, holder.index)))
+        self.holders.append(weakref.ref(holder, _forget(self.weak_self, holder.index)))
         self.shapes.append((tensor.shape, tensor.dtype))
         return holder
 
@@ -189,12 +196,6 @@ class _Frame:
 
 def _identity(x: Any) -> Any:
     return x
-
-
-def _weak_drop(frame: _Frame, index: int) -> Callable[[Any], None]:
-    """A weakref callback that forgets one recomputed tensor without keeping the frame alive."""
-    frame_ref = weakref.ref(frame)
-    return lambda dead: _drop(frame_ref, index, dead)
 
 
 def checkpoint_once(
