@@ -54,12 +54,7 @@ def _reference_grads(stage: EmulatedStage, x: torch.Tensor, grad_out: torch.Tens
     return x.grad, {n: p.grad for n, p in ref.named_parameters()}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_sleep_until_is_accurate():

@@ -9,6 +9,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from _tiny_hf import tiny_hf
 from torch import nn
 
 from pp_offload.parallel import CHECKPOINTING_MODES, activation_checkpointing, checkpointing_mode
@@ -20,12 +21,7 @@ ROWS, HIDDEN, LAYERS = 48, 32, 3
 BLOCK_BYTES = ROWS * HIDDEN * 4  # one fp32 activation of a block
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _blocks() -> nn.Sequential:
@@ -54,29 +50,6 @@ def _split_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [*torch.autograd.grad(loss, params), dx]
 
 
-def _tiny_hf(family: str) -> tuple[nn.Module, list[nn.Module], dict]:
-    from transformers import AutoModel, GPT2Config, LlamaConfig
-
-    torch.manual_seed(0)
-    if family == "gpt2":
-        config = GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64, resid_pdrop=0.0, embd_pdrop=0.0)
-        config.attn_pdrop = 0.0
-    else:
-        config = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=2,
-            vocab_size=64,
-        )
-    config._attn_implementation = "sdpa"
-    model = AutoModel.from_config(config).float().train()
-    layers = list(model.h if family == "gpt2" else model.layers)
-    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
-    return model, layers, {"input_ids": ids}
-
-
 def _hf_grads(model: nn.Module, batch: dict, split: bool = False) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     loss = model(**batch).last_hidden_state.square().mean()
@@ -93,7 +66,7 @@ def _hf_grads(model: nn.Module, batch: dict, split: bool = False) -> list[torch.
 @pytest.mark.parametrize("mode", ["selective", "mlp", "mlp:0.5"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_selective_recompute_keeps_hf_gradients_with_full_and_split_backward(family: str, mode: str) -> None:
-    model, layers, batch = _tiny_hf(family)
+    model, layers, batch = tiny_hf(family)
     plain = _hf_grads(model, batch)
     plain_split = _hf_grads(model, batch, split=True)
     count = len(layers) if mode != "mlp:0.5" else len(layers) // 2
@@ -479,7 +452,7 @@ def test_selective_recompute_reruns_no_matmul_or_attention_in_either_backward_pa
 
     counts = {}
     for mode in ("none", "selective", "mlp", "full"):
-        model, layers, batch = _tiny_hf(family)
+        model, layers, batch = tiny_hf(family)
         if mode != "none":
             activation_checkpointing({0: model}, layers=lambda _, layers=layers: layers, mode=mode)
         first, second = _split_backward_counts(model, batch)

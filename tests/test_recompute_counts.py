@@ -42,21 +42,9 @@ def test_stage_times_charge_the_runtime_rule(first: bool, mode: str) -> None:
 
 def test_auto_rescales_a_measurement_by_the_same_rule() -> None:
     from pp_offload.plan.auto import RecomputeOption
-    from pp_offload.plan.probe import Measurement, StageMeasurement
+    from pp_offload.plan.probe import Measurement
 
-    stage = {"F": 0.01, "I": 0.012, "W": 0.008, "saved_bytes": 4000, "layers": 2}
-    measured = Measurement(
-        schedule="ScheduleVMin",
-        offload="full",
-        num_ranks=2,
-        num_microbatches=4,
-        steps=1,
-        device="cpu",
-        comm=0.0,
-        copies_overlap=False,
-        first_stage="I~0",
-        stages=tuple(StageMeasurement(**stage) for _ in range(4)),
-    )
+    measured = Measurement.uniform(2, F=0.01, I=0.012, W=0.008, saved_bytes=4000, layers=2)
     full = RecomputeOption("full", kept_share=0.1, forward_share=1.0).apply(measured)
     per_layer_forward = 0.01 / 2
     for index, (before, after) in enumerate(zip(measured.stages, full.stages, strict=True)):

@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from _tiny_hf import tiny_hf
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -24,35 +25,7 @@ from pp_offload.runtime.store import ActivationStore
 ROWS, HIDDEN, LAYERS = 48, 32, 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _tiny_hf(family: str) -> tuple[nn.Module, list[nn.Module], dict]:
-    from transformers import AutoModel, GPT2Config, LlamaConfig
-
-    torch.manual_seed(0)
-    if family == "gpt2":
-        config = GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64, resid_pdrop=0.0, embd_pdrop=0.0)
-        config.attn_pdrop = 0.0
-    else:
-        config = LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=2,
-            vocab_size=64,
-        )
-    config._attn_implementation = "sdpa"
-    model = AutoModel.from_config(config).float().train()
-    layers = list(model.h if family == "gpt2" else model.layers)
-    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
-    return model, layers, {"input_ids": ids}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hf_grads(model: nn.Module, batch: dict, split: bool) -> list[torch.Tensor]:
@@ -74,7 +47,7 @@ def _hf_grads(model: nn.Module, batch: dict, split: bool) -> list[torch.Tensor]:
 @pytest.mark.parametrize("mode", ["full+once", "selective+once", "mlp+once", "selective:0.5,mlp+once"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_once_keeps_hf_gradients_and_runs_each_layer_twice(family: str, mode: str) -> None:
-    model, layers, batch = _tiny_hf(family)
+    model, layers, batch = tiny_hf(family)
     want = {split: _hf_grads(model, batch, split) for split in (False, True)}
     activation_checkpointing({0: model}, layers=lambda _: layers, mode=mode)
     runs = count_layer_runs([model])
@@ -111,7 +84,7 @@ def test_plan_strings_and_the_rule() -> None:
 
 
 def test_switching_between_once_and_per_pass_rewraps_the_layers() -> None:
-    model, layers, batch = _tiny_hf("llama")
+    model, layers, batch = tiny_hf("llama")
     want = _hf_grads(model, batch, True)
     for mode in ("selective", "selective+once", "mlp+once", "full", "none"):
         activation_checkpointing({0: model}, layers=lambda _: layers, mode=mode)
@@ -283,21 +256,9 @@ def test_activation_peak_counts_the_once_bytes_from_input_to_weight_pass() -> No
 
 def test_auto_option_once_charges_i_only_and_holds_the_freed_bytes() -> None:
     from pp_offload.plan.auto import RecomputeOption
-    from pp_offload.plan.probe import Measurement, StageMeasurement
+    from pp_offload.plan.probe import Measurement
 
-    stage = {"F": 0.01, "I": 0.012, "W": 0.008, "saved_bytes": 4000, "layers": 2}
-    measured = Measurement(
-        schedule="ScheduleVMin",
-        offload="full",
-        num_ranks=2,
-        num_microbatches=4,
-        steps=1,
-        device="cpu",
-        comm=0.0,
-        copies_overlap=False,
-        first_stage="I~0",
-        stages=tuple(StageMeasurement(**stage) for _ in range(4)),
-    )
+    measured = Measurement.uniform(2, F=0.01, I=0.012, W=0.008, saved_bytes=4000, layers=2)
     per_pass = RecomputeOption("selective", kept_share=0.4, forward_share=0.2).apply(measured)
     option = RecomputeOption("selective", kept_share=0.4, forward_share=0.2, once=True)
     assert option.label == "selective+once"
@@ -323,7 +284,7 @@ def test_no_frame_or_recomputed_tensor_outlives_its_graph(mode: str, monkeypatch
     """A recomputation runs ops that save their own outputs (rsqrt in the norms, the attention kernel):
     had its graph held those outputs with their history, the cycle through C++ would keep every tensor it
     recomputed alive for good (16 MB a step in a pipeline, found by bench_hotpath)."""
-    model, layers, batch = _tiny_hf("llama")
+    model, layers, batch = tiny_hf("llama")
     lasting = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held: list[StorageWeakRef] = []
     recompute = recompute_once._Frame.recompute

@@ -48,13 +48,7 @@ class Block(nn.Module):
         return (w.transpose(1, 2) * gate).tanh()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These shapes are tiny: intra-op threads only add synchronization (and noise on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model() -> Block:

@@ -1,0 +1,31 @@
+"""A tiny Hugging Face Llama or GPT-2 (2 layers, hidden 32, no dropout, sdpa) for the recompute tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def tiny_hf(family: str) -> tuple[nn.Module, list[nn.Module], dict]:
+    """The base model (``AutoModel``, fp32, train mode, seed 0), its decoder layers and a batch of 2 rows of
+    24 token ids."""
+    from transformers import AutoModel, GPT2Config, LlamaConfig
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=64, resid_pdrop=0.0, embd_pdrop=0.0)
+        config.attn_pdrop = 0.0
+    else:
+        config = LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            vocab_size=64,
+        )
+    config._attn_implementation = "sdpa"
+    model = AutoModel.from_config(config).float().train()
+    layers = list(model.h if family == "gpt2" else model.layers)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    return model, layers, {"input_ids": ids}
