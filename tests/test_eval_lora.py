@@ -348,7 +348,7 @@ def test_lora_on_a_bf16_checkpoint_is_a_skeleton_until_split(tmp_path: Path, cac
     from pp_offload.models import is_peft_model, split_model
     from pp_offload.models.loading import load_split_weights
     from pp_offload.models.lora import init_adapters, unwrap_peft
-    from pp_offload.recipe.parts import load_model
+    from pp_offload.recipe.model_loading import load_model
 
     config = _config(tmp_path / "out", lora=LORA)
     config["model"] = _pretrained_llama(tmp_path / "pretrained", cache)

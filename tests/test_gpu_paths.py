@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pp_offload.recipe.config import ConfigError, RecipeConfig
-from pp_offload.recipe.parts import Topology, device_for
+from pp_offload.recipe.topology import Topology, device_for
 from pp_offload.runtime import compat
 
 ROOT = Path(__file__).resolve().parent.parent

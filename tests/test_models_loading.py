@@ -110,7 +110,7 @@ def test_checkpoints_that_cannot_load_by_part_are_refused_early(tmp_path: Path) 
 
 def test_recipe_loads_by_part_only_when_it_pays_and_falls_back_to_a_full_load(tmp_path: Path) -> None:
     from pp_offload.recipe import RecipeConfig
-    from pp_offload.recipe.parts import load_model
+    from pp_offload.recipe.model_loading import load_model
 
     full, fp32 = _saved(tmp_path, "llama-tied")
     bf16 = tmp_path / "bf16"

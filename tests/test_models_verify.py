@@ -58,7 +58,7 @@ def test_falcon_with_alibi_is_refused_with_the_reason() -> None:
 def test_families_that_do_not_separate_packed_documents_get_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
     """The recipe packs documents and separates them by position ids; a family whose installed forward builds
     its masks without them (Falcon before transformers 5.24) gets a note, and its split does the same."""
-    from pp_offload.recipe.parts import packing_note
+    from pp_offload.recipe.model_loading import packing_note
 
     falcon = tiny_model("falcon", new_decoder_architecture=True, num_kv_heads=2)
     reads = families._mask_reads_positions(falcon.transformer)

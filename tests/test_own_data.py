@@ -13,7 +13,7 @@ from pp_offload.__main__ import main as pp_offload_main
 from pp_offload.data import DataConfig, load_examples
 from pp_offload.data.tokenizer import trained_tokenizer
 from pp_offload.recipe.config import ConfigError, load_config
-from pp_offload.recipe.parts import check_model_sources
+from pp_offload.recipe.sources import check_model_sources
 
 WORDS = (
     "the a model pipeline stage rank learns loss falls data token shard offload memory host device".split()

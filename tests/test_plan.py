@@ -587,7 +587,8 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
 def _load_printed_yaml(tmp_path, block):
     """The planner's YAML block through the recipe's own reader and its checks that need no processes."""
     from pp_offload.recipe import load_config
-    from pp_offload.recipe.parts import Topology, preflight
+    from pp_offload.recipe.preflight import preflight
+    from pp_offload.recipe.topology import Topology
 
     path = tmp_path / "picked.yaml"
     path.write_text(block + "\n")

@@ -12,7 +12,8 @@ from _dist import run_on_ranks
 from _tolerance import assert_trajectory_close
 
 from pp_offload.recipe import ConfigError, RecipeConfig, load_config
-from pp_offload.recipe.parts import Topology, preflight
+from pp_offload.recipe.preflight import preflight
+from pp_offload.recipe.topology import Topology
 
 LLAMA = {
     "model_type": "llama",
@@ -416,7 +417,7 @@ def test_config_reader_names_unknown_keys_and_world_mismatch(
         load_config(None, ["steps=3"])
     config = load_config(None, ["train.steps=3", "pipeline.schedule=VMin"])
     assert config.train.steps == 3 and config.pipeline.schedule == "VMin"
-    from pp_offload.recipe.parts import topology
+    from pp_offload.recipe.topology import topology
 
     with pytest.raises(ConfigError, match="world size 1 is not pipeline.pp x pipeline.dp = 2 x 1"):
         topology(load_config(None, ["pipeline.pp=2"]))
@@ -512,7 +513,7 @@ def test_missing_dataset_column_is_named(tmp_path: Path, cache: str) -> None:
 
 def test_unreachable_hub_fails_fast_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pp_offload.hub as hub
-    from pp_offload.recipe.parts import check_model_sources
+    from pp_offload.recipe.sources import check_model_sources
 
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)

@@ -9,7 +9,7 @@ import torch
 import pp_offload.recipe.train as train
 from pp_offload.models.families import UnsupportedModelError
 from pp_offload.recipe import cli
-from pp_offload.recipe.parts import _fewer_stages_fix
+from pp_offload.recipe.preflight import _fewer_stages_fix
 from pp_offload.runtime.catalog import schedule_info
 
 
@@ -91,7 +91,8 @@ def test_offline_mode_with_a_model_missing_from_the_cache_is_a_configuration_err
     import huggingface_hub.constants
 
     from pp_offload.recipe.config import ConfigError, load_config
-    from pp_offload.recipe.parts import load_model, load_tokenizer
+    from pp_offload.recipe.model_loading import load_model
+    from pp_offload.recipe.sources import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what pp_offload.hub reads
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import by the hub client

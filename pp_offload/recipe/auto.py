@@ -51,7 +51,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_offload.fsutil import write_text_atomic
 from pp_offload.recipe.checkpoint import rng_state, set_rng_state
 from pp_offload.recipe.config import ConfigError, RecipeConfig
-from pp_offload.recipe.parts import Pipeline, Topology, build_pipeline
+from pp_offload.recipe.pipeline import Pipeline, build_pipeline
+from pp_offload.recipe.topology import Topology
 
 __all__ = [
     "AUTO",

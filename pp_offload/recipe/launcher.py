@@ -52,14 +52,10 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
 
     Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`)."""
     from pp_offload.data import embedded_assets, embedded_dir, load_examples
-    from pp_offload.recipe.parts import (
-        check_config_model,
-        check_model_sources,
-        load_tokenizer,
-        num_layers_of,
-        preflight,
-        topology,
-    )
+    from pp_offload.recipe.model_loading import check_config_model, num_layers_of
+    from pp_offload.recipe.preflight import preflight
+    from pp_offload.recipe.sources import check_model_sources, load_tokenizer
+    from pp_offload.recipe.topology import topology
     from pp_offload.recipe.train import _check
 
     config = config.validated()

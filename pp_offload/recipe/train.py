@@ -60,25 +60,15 @@ from pp_offload.parallel import build_mesh, checkpointing_mode, clip_grad_norm_,
 from pp_offload.recipe.auto import choose_schedule, is_auto
 from pp_offload.recipe.checkpoint import load_checkpoint, save_checkpoint
 from pp_offload.recipe.config import ConfigError, RecipeConfig
-from pp_offload.recipe.parts import (
-    Pipeline,
-    Topology,
-    build_pipeline,
-    check_model_sources,
-    device_for,
-    init_process_group,
-    load_model,
-    load_tokenizer,
-    num_layers_of,
-    packing_note,
-    preflight,
-    restart_count,
-    topology,
-)
+from pp_offload.recipe.model_loading import load_model, num_layers_of, packing_note
+from pp_offload.recipe.pipeline import Pipeline, build_pipeline
 from pp_offload.recipe.preempt import StopRequest
+from pp_offload.recipe.preflight import preflight
 from pp_offload.recipe.resume import ResumePlan, plan_resume
+from pp_offload.recipe.sources import check_model_sources, load_tokenizer
 from pp_offload.recipe.stops import EXIT_STALLED, NonFiniteSteps
 from pp_offload.recipe.timeline import StepTimeline
+from pp_offload.recipe.topology import Topology, device_for, init_process_group, restart_count, topology
 from pp_offload.runtime import compat
 from pp_offload.runtime.dropout_keys import DropoutKeys, key_dropout
 from pp_offload.runtime.progress import StallWatchdog, StepProgress, describe, track_actions, waiting_peer

@@ -1,0 +1,205 @@
+"""This rank's share of the pipelined model: split, FSDP2 sharding, recompute wrappers, offload, stages and
+the schedule, built in the one order every rank follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from pp_offload.models import ModelSplit, TokenCrossEntropy, split_model
+from pp_offload.parallel import ShardedStages
+from pp_offload.recipe.config import RecipeConfig
+from pp_offload.recipe.topology import Topology
+from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
+from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, unkeyed_dropout
+
+__all__ = ["Pipeline", "build_pipeline"]
+
+@dataclass
+class Pipeline:
+    """This rank's share of the pipelined model: stages, schedule, loss and the tied-weight fix-up.
+
+    ``mesh``: the job's ``("dp", "pp")`` mesh (``pp`` inner); ``sharded``: the FSDP2 roots when
+    ``pipeline.dp > 1`` (None otherwise: every pipeline replica would hold whole stages).
+    """
+
+    info: ScheduleInfo
+    split: ModelSplit
+    schedule: Any
+    loss_fn: TokenCrossEntropy
+    tied: _TiedAcrossRanks | None
+    has_first: bool
+    has_last: bool
+    mesh: DeviceMesh
+    sharded: ShardedStages | None = None
+    dropout: DropoutKeys | None = None  # the training loop sets .step (pp_offload.runtime.dropout_keys)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.split.module
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    def skip_in_norm(self) -> set[int]:
+        """Ids of parameters not counted in the global gradient norm (the second copy of a tied weight)."""
+        return self.tied.skip_in_norm() if self.tied is not None else set()
+
+
+class _TiedAcrossRanks:
+    """An input embedding tied to the LM head when the first and last stages sit on different ranks.
+
+    Each of the two ranks holds its own copy; after backward the copies' gradients are summed between the
+    two ranks of each pipeline replica, so both take the same optimizer step and stay equal, exactly as
+    the one shared weight of the unsplit model would. The last-stage copy is left out of the gradient norm
+    and of the export. Under FSDP both copies are sharded the same way over the data-parallel ranks, so
+    the two ranks' local shards cover the same slice and summing them is right.
+    """
+
+    def __init__(self, model: nn.Module, split: ModelSplit, topo: Topology, num_stages: int, placement: str):
+        last = _rank_of(num_stages - 1, topo.pp, placement)
+        self.group: dist.ProcessGroup | None = None
+        if last != 0:
+            for replica in range(topo.dp):  # every rank creates every group, in the same order
+                group = dist.new_group([replica * topo.pp, replica * topo.pp + last])
+                if replica == topo.dp_rank:
+                    self.group = group
+        self.weight: nn.Parameter | None = None
+        self.is_copy = False
+        if 0 in split.stages:
+            self.weight = model.get_input_embeddings().weight
+        elif num_stages - 1 in split.stages:
+            self.weight = model.get_output_embeddings().weight
+            self.is_copy = True
+
+    def sync_grads(self) -> None:
+        if self.group is None or self.weight is None or not self.weight.requires_grad:
+            return  # a frozen embedding (LoRA) has no gradient to share
+        if self.weight.grad is None:
+            self.weight.grad = torch.zeros_like(self.weight)
+        grad = self.weight.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's shard, in place
+        dist.all_reduce(local, group=self.group)
+
+    def skip_in_norm(self) -> set[int]:
+        return {id(self.weight)} if self.is_copy and self.weight is not None else set()
+
+
+def _rank_of(stage: int, pp: int, placement: str) -> int:
+    if placement == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def build_pipeline(
+    config: RecipeConfig,
+    model: nn.Module,
+    topo: Topology,
+    device: torch.device,
+    mesh: DeviceMesh,
+    *,
+    shard: bool = True,
+    offload_inputs: Any = None,
+) -> Pipeline:
+    """Split ``model`` for this rank, shard it over the data-parallel ranks when ``pipeline.dp > 1`` (and
+    ``shard``), and build its ``PipelineStage``s (on this replica's pipeline group) and the schedule.
+
+    ``offload_inputs``: the figures ``schedule: auto`` chose with (`pp_offload.order.offload_inputs`, or
+    its ``to_dict``), so the offload plan is the predicted one; without them a budget policy gets the
+    planner's figures for this model and machine preset when it can (`pp_offload.recipe.offload_figures`)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from pp_offload.parallel import activation_checkpointing, apply_fsdp, checkpointing_mode
+    from pp_offload.recipe.offload_figures import planner_offload_inputs
+    from pp_offload.runtime.offload import enable_offload
+
+    spec = config.pipeline
+    info = schedule_info(spec.schedule)
+    per_rank = info.stages_per_rank(spec.stages_per_rank)
+    num_stages = topo.pp * per_rank
+    offload = spec.offload not in (None, "none")
+    model.train()
+    split = split_model(
+        model,
+        num_stages=num_stages,
+        stage_indices=stage_indices(topo.pp_rank, topo.pp, info.placement, per_rank),
+        layers_per_stage=spec.layers_per_stage,
+        verify=config.model.verify_split,
+    )
+    if any(p.is_meta for p in split.module.parameters()):  # a skeleton from load_model(partial=True)
+        from pp_offload.models.loading import load_split_weights
+        from pp_offload.models.lora import init_adapters, unwrap_peft
+
+        load_split_weights(split, unwrap_peft(model), str(config.model.path))
+        if config.lora is not None:
+            init_adapters(split.module, seed=config.train.seed)
+    split.module.to(device)
+    recompute = checkpointing_mode(config.train.activation_checkpointing)
+    if recompute is not None:
+        activation_checkpointing(split, mode=recompute)
+    sharded = None
+    if topo.dp > 1 and shard:
+        sharded = apply_fsdp(
+            split, mesh, mixed_precision=config.train.precision, split_backward=info.split_backward
+        )
+    tied = None
+    if bool(getattr(model.config, "tie_word_embeddings", False)) and info.placement != "v":
+        tied = _TiedAcrossRanks(model, split, topo, num_stages, info.placement)  # after FSDP: its params
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(split.stages[s], s, num_stages, device, group=group) for s in split.stage_indices]
+    loss_fn = TokenCrossEntropy()
+    if split.router_aux is not None:  # each of the step's microbatches (all replicas) adds coef x aux / count
+        loss_fn.router_aux_weight = split.router_aux.coef / (spec.microbatches * topo.dp)
+    if offload and offload_inputs is None:
+        offload_inputs = planner_offload_inputs(
+            config,
+            model,
+            schedule=info.name,
+            stages_per_rank=per_rank,
+            pp=topo.pp,
+            dp=topo.dp,
+            layers_per_stage=list(split.layers_per_stage),
+            device=device,
+            log=topo.rank == 0,
+        )
+    figures: dict[str, Any] = {"costs": spec.costs}
+    if offload and offload_inputs is not None:
+        figures = {"inputs": offload_inputs}
+    kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+    if info.module == "pp_offload.runtime.schedules":
+        kwargs["costs"] = spec.costs  # None with inputs: the order is built from their scalar costs
+        if spec.memory_limit is not None:
+            kwargs["memory_limit"] = spec.memory_limit
+        if offload:
+            kwargs["offload"] = spec.offload
+            if "inputs" in figures:
+                kwargs["offload_inputs"] = figures["inputs"]
+    schedule = build_schedule(info, stages, spec.microbatches, **kwargs)
+    if info.module != "pp_offload.runtime.schedules" and offload:
+        enable_offload(schedule, spec.offload, **figures, device=device)
+    if sharded is not None:
+        sharded.attach(schedule)
+    dropout = key_pipeline_dropout(
+        split, schedule, seed=config.train.seed, offset=topo.dp_rank * spec.microbatches
+    )
+    if topo.rank == 0 and (unkeyed := unkeyed_dropout(model)):
+        print(f"dropout: {', '.join(unkeyed)} not keyed: their masks depend on the schedule", flush=True)
+    return Pipeline(
+        info=info,
+        split=split,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        tied=tied,
+        has_first=0 in split.stages,
+        has_last=num_stages - 1 in split.stages,
+        mesh=mesh,
+        sharded=sharded,
+        dropout=dropout,
+    )
