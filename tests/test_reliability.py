@@ -304,7 +304,6 @@ def test_another_runs_checkpoints_are_not_resumed_silently(tmp_path: Path, cache
     """A fresh run (another learning rate) on an output dir holding another run's checkpoints stops with
     the three ways on; a longer train.steps of the same run resumes (see the SIGTERM test for the rest)."""
     from pp_offload.recipe.resume import plan_resume
-    from pp_offload.recipe.train import _lr_at
 
     out = tmp_path / "run"
     ckpt = out / "checkpoints" / "step_00000002"
@@ -318,20 +317,21 @@ def test_another_runs_checkpoints_are_not_resumed_silently(tmp_path: Path, cache
         match=r"holds checkpoints of another run \(up to step 2; it differs in "
         r"train.lr: 0.003 -> 0.001\): continue it anyway with --resume .*output.overwrite=true",
     ):
-        plan_resume(other, out / "checkpoints", restarts=0, lr_at=_lr_at)
-    longer = plan_resume(RecipeConfig.from_dict(_config(out)), out / "checkpoints", restarts=0, lr_at=_lr_at)
-    assert longer.step == 2 and "train.steps 2 -> 6: the learning-rate schedule is recomputed" in longer.note
+        plan_resume(other, out / "checkpoints", restarts=0)
+    longer = plan_resume(RecipeConfig.from_dict(_config(out)), out / "checkpoints", restarts=0)
+    assert (
+        longer.step == 2 and "train.steps 2 -> 6: the learning rate continues from 3.000e-03" in longer.note
+    )
     forced = plan_resume(
         RecipeConfig.from_dict(_config(out, train__lr=1e-3, output__resume=True)),
         out / "checkpoints",
         restarts=0,
-        lr_at=_lr_at,
     )
     assert forced.step == 2 and "config changed since: train.lr: 0.003 -> 0.001" in forced.note
     over = RecipeConfig.from_dict(_config(out, train__lr=1e-3, output__overwrite=True))
-    assert plan_resume(over, out / "checkpoints", restarts=0, lr_at=_lr_at).wipe
+    assert plan_resume(over, out / "checkpoints", restarts=0).wipe
     same = RecipeConfig.from_dict(_config(out, train__steps=2, output__overwrite=True))
-    restarted = plan_resume(same, out / "checkpoints", restarts=1, lr_at=_lr_at)  # never wipes its own run
+    restarted = plan_resume(same, out / "checkpoints", restarts=1)  # never wipes its own run
     assert restarted.step == 2 and "(restart)" in restarted.note
     assert not restarted.wipe
 

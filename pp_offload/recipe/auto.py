@@ -164,10 +164,11 @@ def choose_schedule(
     from pp_offload.plan.auto import AutoDecision, AutoError, choose, measure_step, unit_shares_for
 
     recorded = out / "auto.json"
+    layout = {"pp": topo.pp, "dp": topo.dp}
     if reuse:
         message: list[Any] = [None]
         if topo.rank == 0:
-            message = [json.loads(recorded.read_text())["decision"] if recorded.is_file() else None]
+            message = [_recorded_decision(recorded, layout)]
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None:
             decision = AutoDecision.from_dict(message[0])
@@ -215,7 +216,35 @@ def choose_schedule(
         raise ConfigError(f"pipeline.schedule=auto: {message[0]['error']}{unit}")
     decision = AutoDecision.from_dict(message[0]["decision"])
     if topo.rank == 0:
-        report = {"decision": decision.to_dict(), "measurement": measurement.to_dict()}
+        report = {"decision": decision.to_dict(), "layout": layout, "measurement": measurement.to_dict()}
         write_text_atomic(recorded, json.dumps(report, indent=2, default=str) + "\n")
         print(f"{measurement.table()}\n{decision.table(limit=_SHOWN)}\n(all in {recorded})", flush=True)
     return chosen_config(config, decision), decision
+
+
+def _recorded_decision(recorded: Path, layout: dict[str, int]) -> dict[str, Any] | None:
+    """The decision ``auto.json`` records, when it was made for ``layout`` (pipeline ranks x replicas);
+    else None, with a line saying why auto probes again. The file is JSON, read as data only: a corrupt
+    one is named and ignored (a new probe replaces it), never trusted half."""
+    from pp_offload.plan.auto import AutoDecision
+
+    if not recorded.is_file():
+        return None
+    try:
+        report = json.loads(recorded.read_text())
+        decision = report["decision"]
+        AutoDecision.from_dict(decision)  # every field it needs is there
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        print(
+            f"auto: warning: ignoring {recorded} ({type(error).__name__}: {error}); probing again", flush=True
+        )
+        return None
+    before = report.get("layout")
+    if isinstance(before, dict) and before != layout:
+        print(
+            f"auto: the checkpoint's choice was made at pp {before.get('pp')} x dp {before.get('dp')}, this "
+            f"run is pp {layout['pp']} x dp {layout['dp']}: probing again for the new layout",
+            flush=True,
+        )
+        return None
+    return decision

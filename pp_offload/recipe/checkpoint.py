@@ -16,6 +16,12 @@ would only train on from garbage. ``meta.json`` records the step and the config 
 how `pp_offload.recipe.resume` tells this run's checkpoints from another run's.
 Per-rank RNG states are saved too, so a resumed run draws the same random numbers (dropout) as an
 uninterrupted one.
+
+Nothing read back runs code (docs/reliability.md, "What a resume trusts"): ``latest.json`` and
+``meta.json`` are JSON, the RNG states are loaded with ``torch.load(weights_only=True)`` (plain tensors
+only) and checked for their shape; a file that fails is refused by `CheckpointReadError`, on every rank
+alike, with one line naming the file and what is wrong. torch's DCP reads its own ``.metadata`` with
+``pickle``: that part is torch's, and a checkpoint from an untrusted source should be verified first.
 """
 
 from __future__ import annotations
@@ -39,10 +45,13 @@ from pp_offload.recipe.stops import RunStopped
 
 __all__ = [
     "CheckpointError",
+    "CheckpointReadError",
     "CheckpointWriteError",
+    "check_rng_files",
     "checkpoint_meta",
     "latest_step",
     "load_checkpoint",
+    "read_rng_state",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -66,6 +75,13 @@ class CheckpointError(RuntimeError):
 
 class CheckpointWriteError(CheckpointError, RunStopped):
     """A checkpoint that could not be written (on some rank); the previous one is intact."""
+
+
+class CheckpointReadError(CheckpointError, RunStopped):
+    """A checkpoint file that is corrupt, tampered with or not ours: refused before anything of it is used
+    (exit code 2, like a configuration error: the fix is a file or a setting, not the code)."""
+
+    exit_code = 2
 
 
 def _distributed() -> bool:
@@ -211,11 +227,14 @@ def checkpoint_meta(root: str | Path) -> dict[str, Any] | None:
         return None
     path = _step_dir(Path(root), step) / "meta.json"
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise CheckpointError(
-            f"{path} is missing or unreadable ({error}); the checkpoint is incomplete"
+        raise CheckpointReadError(
+            f"{path} is missing or unreadable ({_why(error)}); the checkpoint is incomplete or corrupt"
         ) from error
+    if not isinstance(meta, dict) or not isinstance(meta.get("config", {}), dict):
+        raise CheckpointReadError(f"{path} is not a checkpoint's meta.json (a JSON object with a config)")
+    return meta
 
 
 def _complete(root: Path) -> list[Path]:
@@ -231,11 +250,23 @@ def latest_step(root: str | Path) -> int | None:
     if not pointer.is_file():
         return None
     try:
-        return int(json.loads(pointer.read_text())["step"])
-    except (ValueError, KeyError) as error:
-        raise CheckpointError(
-            f"{pointer} is unreadable ({error}); delete it or point it at a step_* dir"
+        step = json.loads(pointer.read_text())["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step {step!r} is not a step number")
+        return step
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointReadError(
+            f"{pointer} is unreadable ({_why(error)}); delete it or point it at a step_* dir"
         ) from error
+
+
+def _why(error: BaseException) -> str:
+    """An error in a few words, on one line."""
+    text = " ".join(str(error).split())
+    name = type(error).__name__
+    if isinstance(error, KeyError):
+        return f"no {text} entry"
+    return f"{name}: {text[:200]}" if text else name
 
 
 def load_checkpoint(root: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -246,7 +277,17 @@ def load_checkpoint(root: str | Path, module: nn.Module, optimizer: torch.optim.
         raise CheckpointError(f"no checkpoint under {root} (no {_LATEST}); start without resume")
     where = _step_dir(root, step)
     if not (where / "meta.json").is_file():
-        raise CheckpointError(f"{_LATEST} names step {step} but {where} is missing or incomplete")
+        raise CheckpointReadError(f"{root / _LATEST} names step {step} but {where} is missing or incomplete")
+    rng = where / f"rng_{_rank()}.pt"
+    rng_saved, failure = None, None
+    if rng.is_file():
+        try:
+            rng_saved = read_rng_state(rng)
+        except CheckpointReadError as error:
+            failure = str(error)
+    failures = _gather_failures(failure)  # a refused file on one rank stops every rank, alike
+    if failures:
+        raise CheckpointReadError(f"{failures[0][1]}; {_older(root, step)}")  # the file names the rank
     model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optim": optim_state}
     with _quiet_single_process():
@@ -258,10 +299,69 @@ def load_checkpoint(root: str | Path, module: nn.Module, optimizer: torch.optim.
         optim_state_dict=state["optim"],
         options=_LOAD_OPTIONS,
     )
-    rng = where / f"rng_{_rank()}.pt"
-    if rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
+    if rng_saved is not None:
+        set_rng_state(rng_saved)
     return step
+
+
+def check_rng_files(root: str | Path, step: int) -> None:
+    """Read every rank's RNG state of checkpoint ``step`` as `load_checkpoint` will (no code runs); raise
+    its `CheckpointReadError`, with the way on, for the first that is refused. For a launcher that checks
+    before any rank starts."""
+    root = Path(root)
+    for path in sorted(_step_dir(root, step).glob("rng_*.pt")):
+        try:
+            read_rng_state(path)
+        except CheckpointReadError as error:
+            raise CheckpointReadError(f"{error}; {_older(root, step)}") from None
+
+
+def _older(root: Path, step: int) -> str:
+    """What the user can do about a refused file of checkpoint ``step``: the older complete checkpoint."""
+    older = [p for p in _complete(root) if p.name < _step_dir(root, step).name]
+    if not older:
+        return (
+            "nothing of it was used: restore the file from a trusted copy, or start over (output.overwrite)"
+        )
+    return (
+        f"nothing of it was used: restore the file from a trusted copy, or resume from {older[-1]} (point "
+        f"{root / _LATEST} at it)"
+    )
+
+
+def read_rng_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """A saved `rng_state`, read without running code: ``torch.load(weights_only=True)`` unpickles tensors
+    and plain containers only, so a pickle that would run a command is refused, not executed. Raises
+    `CheckpointReadError` naming ``path`` for a file that is not such a state."""
+    path = Path(path)
+    try:
+        with warnings.catch_warnings():  # torch warns about a foreign pickle protocol: the error says more
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # UnpicklingError (a forbidden global), a truncated or foreign file
+        text = str(error)
+        if "trusted source." in text:  # torch's advice to turn the check off is not ours to give
+            text = text.split("trusted source.")[1].split("Check the documentation")[0]
+            text = text.split("WeightsUnpickler error:")[-1]
+        else:
+            text = text.split(". ")[0]
+        why = f"{type(error).__name__}: {' '.join(text.split())}"
+        raise CheckpointReadError(
+            f"{path}: refused, not a plain RNG state (tensors only; it may be tampered with or corrupt): "
+            f"{why[:200]}"
+        ) from None
+    expected = torch.get_rng_state()
+    cpu = state.get("cpu") if isinstance(state, dict) else None
+    if not (
+        isinstance(cpu, torch.Tensor)
+        and cpu.dtype == expected.dtype
+        and cpu.shape == expected.shape
+        and all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in state.values())
+    ):
+        raise CheckpointReadError(
+            f"{path}: refused, not an RNG state (expected {{'cpu': a {tuple(expected.shape)} uint8 tensor}})"
+        )
+    return state
 
 
 def rng_state() -> dict[str, Any]:

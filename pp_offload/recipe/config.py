@@ -122,10 +122,17 @@ class TrainConfig:
     Attributes:
         steps: Optimizer steps of the whole run (a resumed run continues up to this count).
         global_batch_size: Sequences per step over all data-parallel replicas.
-        lr: Peak learning rate, reached after ``warmup_steps``.
+        lr: Peak learning rate, reached after ``warmup_steps``. The default, 3e-3, suits the small models
+            built from ``model.config`` that the examples train from scratch; a pretrained model is
+            fine-tuned with far less (1e-5 to 5e-5 is usual: the README's Llama example uses 2e-5).
         min_lr_ratio: The cosine schedule decays to ``lr * min_lr_ratio``.
         warmup_steps: Steps of linear warm-up from 0 to ``lr``.
-        lr_schedule: ``cosine`` or ``constant`` after the warm-up.
+        lr_schedule: ``cosine`` or ``constant`` after the warm-up. A ``warmup_steps`` of ``steps`` or more
+            never reaches ``lr``: the run warns.
+        extend_lr: What a resume with another ``steps`` than its checkpoint's does to the schedule:
+            ``continue`` (the rate goes on from where the run is and decays to the floor at the new
+            ``steps``: no jump) or ``recompute`` (the new total's schedule, as if planned from the start:
+            a finished run's rate rises again). docs/reliability.md#extending-a-run.
         weight_decay: AdamW's weight decay.
         betas: AdamW's betas.
         max_grad_norm: Clip gradients to this norm, computed over all pipeline and data-parallel ranks
@@ -165,6 +172,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
     lr_schedule: str = "cosine"
+    extend_lr: str = "continue"
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float | None = 1.0

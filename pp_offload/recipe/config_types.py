@@ -102,6 +102,7 @@ RANGES: dict[str, Range] = {
 #: Allowed strings by ``section.key`` (for a list: each of its strings).
 CHOICES: dict[str, tuple[str, ...]] = {
     "train.lr_schedule": ("cosine", "constant"),
+    "train.extend_lr": ("continue", "recompute"),
     "train.precision": ("fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
     "output.metrics": ("csv", "tensorboard"),

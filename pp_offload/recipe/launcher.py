@@ -12,20 +12,33 @@ ranks then reuse.
     pp-offload train --nproc-per-node 4 --config my.yaml --dp 2
     pp-offload train --nproc-per-node 4 --config my.yaml --check     # check only, start nothing
 
-One node (torchrun ``--standalone``); on several nodes use torchrun directly (docs/hybrid.md).
+One node by default (torchrun ``--standalone``); on several nodes the same command on every node with
+``--nnodes``, ``--node-rank`` and a rendezvous (``--rdzv-backend c10d --rdzv-endpoint HOST:PORT``, or
+``--master-addr`` / ``--master-port``), passed on to torchrun (docs/recipe.md#several-nodes).
+
+Signals: SIGTERM and SIGINT to this launcher are passed to torchrun, which passes them to the workers
+and gives them time to write their checkpoint; SIGUSR1 (which torchrun does not forward, and which would
+end torchrun itself) goes to the workers directly. The launcher then waits and exits with torchrun's code
+(`pp_offload.recipe.signals`).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
 from pp_offload.recipe import cli
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 
-__all__ = ["DESCRIPTION", "EPILOG", "add_arguments", "check_before_launch", "run_from_args"]
+__all__ = [
+    "DESCRIPTION",
+    "EPILOG",
+    "add_arguments",
+    "check_before_launch",
+    "run_from_args",
+    "torchrun_command",
+]
 
 DESCRIPTION = (
     "Fine-tune with the recipe (recipes/finetune.py) on this machine: check the config once, then start "
@@ -44,16 +57,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="processes (ranks) to start here: pipeline ranks x --dp (default 1: the unsplit model)",
     )
     parser.add_argument("--check", action="store_true", help="check the config and the inputs, start nothing")
+    nodes = parser.add_argument_group("several nodes (passed on to torchrun; the same command on every node)")
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="N", help="nodes of the job (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="R", help="this node's rank (static)")
+    nodes.add_argument("--rdzv-backend", default=None, metavar="B", help="rendezvous backend, e.g. c10d")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous endpoint")
+    nodes.add_argument(
+        "--rdzv-id", default=None, metavar="ID", help="rendezvous job id (c10d; default: none)"
+    )
+    nodes.add_argument("--master-addr", default=None, metavar="HOST", help="node 0's address (static)")
+    nodes.add_argument("--master-port", type=int, default=None, metavar="PORT", help="node 0's port (static)")
     cli.add_recipe_arguments(parser)
 
 
-def check_before_launch(config: RecipeConfig, world: int) -> None:
-    """Every check of a run on ``world`` processes that needs no process group, as rank 0 would make it.
+def torchrun_command(args: argparse.Namespace, recipe_argv: list[str]) -> list[str]:
+    """torchrun's command line for ``args``: ``--standalone`` on one node without a rendezvous given,
+    else the node and rendezvous options as given."""
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    given = {
+        "--nnodes": args.nnodes if args.nnodes != 1 else None,
+        "--node-rank": args.node_rank,
+        "--rdzv-backend": args.rdzv_backend,
+        "--rdzv-endpoint": args.rdzv_endpoint,
+        "--rdzv-id": args.rdzv_id,
+        "--master-addr": args.master_addr,
+        "--master-port": args.master_port,
+    }
+    if all(value is None for value in given.values()):
+        command.append("--standalone")
+    for flag, value in given.items():
+        if value is not None:
+            command += [flag, str(value)]
+    command += ["--nproc-per-node", str(args.nproc_per_node), "-m", "pp_offload.recipe", *recipe_argv]
+    return command
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """The node options that go together, checked before anything starts (one line, exit 2)."""
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank={args.node_rank} must be in [0, --nnodes={args.nnodes})")
+    if args.nnodes > 1 and args.rdzv_endpoint is None and args.master_addr is None:
+        raise ConfigError(
+            f"--nnodes {args.nnodes} needs a rendezvous every node can reach: --rdzv-backend c10d "
+            "--rdzv-endpoint HOST:PORT (any node's address), or --node-rank with --master-addr/--master-port"
+        )
+    if args.master_addr is not None and args.nnodes > 1 and args.node_rank is None:
+        raise ConfigError("--master-addr (static rendezvous) needs --node-rank on every node")
+
+
+def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | None = None) -> None:
+    """Every check of a run on ``world`` processes (``per_node`` of them on this node; default: all) that
+    needs no process group, as rank 0 would make it.
 
     Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`)."""
     from pp_offload.data import embedded_assets, embedded_dir, load_examples
-    from pp_offload.recipe.model_loading import check_config_model, num_layers_of
+    from pp_offload.recipe.model_loading import check_config_model, hf_config_of, num_layers_of
     from pp_offload.recipe.preflight import preflight
+    from pp_offload.recipe.run_checks import check_checkpoints, check_positions
     from pp_offload.recipe.sources import check_model_sources, load_tokenizer
     from pp_offload.recipe.topology import topology
     from pp_offload.recipe.train import _check
@@ -67,9 +129,10 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
         import torch
 
         count = torch.cuda.device_count()
-        if count < world:
+        local = world if per_node is None else per_node
+        if count < local:
             raise ConfigError(
-                f"train.device=cuda with {world} processes needs {world} GPUs (one per rank), this machine "
+                f"train.device=cuda with {local} processes needs {local} GPUs (one per rank), this machine "
                 f"shows {count}: fewer processes, or train.device=cpu"
             )
     check_model_sources(config)
@@ -77,6 +140,8 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
         preflight(config, topo, num_layers_of(config))
     elif config.pipeline.pp not in (None, 1):
         raise ConfigError(f"pipeline.pp={config.pipeline.pp} needs that many processes: --nproc-per-node")
+    check_positions(config, hf_config_of(config))
+    check_checkpoints(config, {"pp": topo.pp, "dp": topo.dp})
     import datasets
 
     quiet = datasets.utils.are_progress_bars_disabled()
@@ -104,18 +169,28 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    from pp_offload.recipe.checkpoint import CheckpointReadError
+    from pp_offload.recipe.signals import run_forwarding_signals
+
+    world = args.nproc_per_node * args.nnodes
     try:
+        _check_nodes(args)
         config = cli.config_from_args(args)
-        check_before_launch(config, args.nproc_per_node)
+        check_before_launch(config, world, per_node=args.nproc_per_node)
     except cli.CONFIGURATION_ERRORS as error:
         cli.report_configuration_error(error, "0")
         return 2
+    except CheckpointReadError as error:
+        print(f"finetune: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        return error.exit_code
     if args.check:
-        print(f"finetune: configuration ok for {args.nproc_per_node} process(es)")
+        from pp_offload.recipe.lr import warmup_warning
+
+        if warning := warmup_warning(config):
+            print(warning, file=sys.stderr)
+        print(f"finetune: configuration ok for {world} process(es)")
         return 0
     argv = cli.recipe_argv(args)
-    if args.nproc_per_node == 1:
+    if world == 1:
         return cli.main(argv)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(args.nproc_per_node), "-m", "pp_offload.recipe", *argv]
-    return subprocess.run(command, check=False).returncode
+    return run_forwarding_signals(torchrun_command(args, argv))

@@ -14,7 +14,8 @@ from torch import nn
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.sources import missing_from_cache
 
-__all__ = ["check_config_model", "load_model", "num_layers_of", "packing_note"]
+__all__ = ["check_config_model", "hf_config_of", "load_model", "num_layers_of", "packing_note"]
+
 
 def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -> nn.Module:
     """The causal LM on the CPU in fp32: from ``model.path``, or randomly initialised from ``model.config``.
@@ -180,15 +181,19 @@ def _load_pretrained(path: str, kwargs: dict[str, Any], partial: bool) -> nn.Mod
 
 def num_layers_of(config: RecipeConfig) -> int | None:
     """The model's layer count from its config alone (no weights loaded), or None if it cannot be read."""
+    return getattr(hf_config_of(config), "num_hidden_layers", None)
+
+
+def hf_config_of(config: RecipeConfig) -> Any:
+    """The model's transformers config (``model.config``'s entries, or ``model.path``'s config.json): what
+    checks before a run read, without loading weights."""
     from transformers import AutoConfig
 
     spec = config.model
     if spec.config is not None:
         values = dict(spec.config)
         values.pop("vocab_size", None)
-        hf_config = _hf_config(values)
-    elif spec.path is not None:
-        hf_config = AutoConfig.from_pretrained(spec.path)
-    else:
-        raise ConfigError("set model.path (hub id or local dir) or model.config (a dict with model_type)")
-    return getattr(hf_config, "num_hidden_layers", None)
+        return _hf_config(values)
+    if spec.path is not None:
+        return AutoConfig.from_pretrained(spec.path)
+    raise ConfigError("set model.path (hub id or local dir) or model.config (a dict with model_type)")

@@ -10,20 +10,21 @@ the three ways on (``--resume``, another ``output.dir``, ``output.overwrite=true
 
 What may change between the launches of one run: ``train.steps`` (extend or shorten the run), the
 pipeline layout (checkpoints hold parameters by name, whatever rank held them), timeouts, evaluation,
-logging and output settings. Changing ``train.steps`` recomputes the learning-rate schedule for the new
-total at the resumed step (the cosine stretches or shrinks; the warm-up, already done, is unchanged): the
-console says so, with the learning rate before and after.
+logging and output settings. Changing ``train.steps`` keeps the learning rate continuous by default
+(`pp_offload.recipe.lr`: the added steps decay from the current rate; ``train.extend_lr: recompute`` takes
+the new total's schedule instead); a layout other than the checkpoint's (``pp x dp``) is resharded by DCP
+on load. The console says both, in the one line that reports the resume.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pp_offload.recipe.checkpoint import checkpoint_meta, latest_step
 from pp_offload.recipe.config import ConfigError, RecipeConfig
+from pp_offload.recipe.lr import LrRestart, extension
 
 __all__ = ["ResumePlan", "plan_resume", "run_differences"]
 
@@ -31,7 +32,16 @@ __all__ = ["ResumePlan", "plan_resume", "run_differences"]
 _FREE = {
     "pipeline": "*",
     "output": "*",
-    "train": {"steps", "timeout_s", "stall_timeout", "max_bad_steps", "eval_every", "eval_batches", "device"},
+    "train": {
+        "steps",
+        "extend_lr",
+        "timeout_s",
+        "stall_timeout",
+        "max_bad_steps",
+        "eval_every",
+        "eval_batches",
+        "device",
+    },
     "data": {"eval_split", "eval_path", "eval_max_examples"},
     "model": {"verify_split", "attn_implementation"},
 }
@@ -40,11 +50,15 @@ _FREE = {
 @dataclass(frozen=True)
 class ResumePlan:
     """``step``: the checkpoint to continue from (None: start at step 0); ``wipe``: delete the output
-    directory's checkpoints first (``output.overwrite``); ``note``: the line rank 0 prints."""
+    directory's checkpoints first (``output.overwrite``); ``note``: the line rank 0 prints;
+    ``lr_restart``: where the learning rate continues from (`pp_offload.recipe.lr`); ``layout_changed``:
+    the checkpoint was written at another ``pp x dp`` (a ``schedule: auto`` choice is probed again)."""
 
     step: int | None
     wipe: bool = False
     note: str | None = None
+    lr_restart: LrRestart | None = None
+    layout_changed: bool = False
 
 
 def _flat(config: dict[str, Any]) -> dict[str, Any]:
@@ -73,11 +87,12 @@ def run_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]
 
 
 def plan_resume(
-    config: RecipeConfig, root: Path, *, restarts: int, lr_at: Callable[[RecipeConfig, int], float]
+    config: RecipeConfig, root: Path, *, restarts: int, layout: dict[str, int] | None = None
 ) -> ResumePlan:
     """Decide from ``root`` (``<output.dir>/checkpoints``) and the config; raises `ConfigError` for a
     fresh run on another run's checkpoints. ``restarts``: torchrun's restart count (a restart never
-    overwrites: it continues the run its first round started). ``lr_at``: the learning-rate schedule."""
+    overwrites: it continues the run its first round started). ``layout``: this run's ``{"pp", "dp"}``,
+    compared with the checkpoint's."""
     step = latest_step(root)
     if step is None:
         return ResumePlan(None)
@@ -104,16 +119,18 @@ def plan_resume(
     note = f"finetune: resumed from step {step} ({how})"
     if output.resume and differences:
         note += "; config changed since: " + "; ".join(differences)
-    old_steps = (saved or {}).get("train", {}).get("steps")
-    if old_steps is not None and old_steps != config.train.steps and step < config.train.steps:
-        from dataclasses import replace
-
-        before = lr_at(replace(config, train=replace(config.train, steps=old_steps)), step)
-        after = lr_at(config, step)
+    before = meta.get("layout")
+    changed = layout is not None and isinstance(before, dict) and before != layout
+    if changed:
         note += (
-            f"; train.steps {old_steps} -> {config.train.steps}: the learning-rate schedule is recomputed "
-            f"for {config.train.steps} steps (lr at step {step + 1}: {before:.3e} -> {after:.3e})"
+            f"; checkpoint written at pp {before.get('pp')} x dp {before.get('dp')}, resumed at pp "
+            f"{layout['pp']} x dp {layout['dp']}: model and optimizer resharded"
         )
+    restart = LrRestart.from_dict(meta.get("lr_restart"))
+    old_steps = (saved or {}).get("train", {}).get("steps")
+    if isinstance(old_steps, int) and old_steps != config.train.steps and step < config.train.steps:
+        restart, words = extension(config, step, old_steps, restart)
+        note += f"; {words}"
     if step >= config.train.steps:
         note += f"; nothing left to train (train.steps={config.train.steps})"
-    return ResumePlan(step, note=note)
+    return ResumePlan(step, note=note, lr_restart=restart, layout_changed=changed)

@@ -60,11 +60,13 @@ from pp_offload.parallel import build_mesh, checkpointing_mode, clip_grad_norm_,
 from pp_offload.recipe.auto import choose_schedule, is_auto
 from pp_offload.recipe.checkpoint import load_checkpoint, save_checkpoint
 from pp_offload.recipe.config import ConfigError, RecipeConfig
-from pp_offload.recipe.model_loading import load_model, num_layers_of, packing_note
+from pp_offload.recipe.lr import lr_at, warmup_warning
+from pp_offload.recipe.model_loading import hf_config_of, load_model, num_layers_of, packing_note
 from pp_offload.recipe.pipeline import Pipeline, build_pipeline
 from pp_offload.recipe.preempt import StopRequest
 from pp_offload.recipe.preflight import preflight
 from pp_offload.recipe.resume import ResumePlan, plan_resume
+from pp_offload.recipe.run_checks import check_positions
 from pp_offload.recipe.sources import check_model_sources, load_tokenizer
 from pp_offload.recipe.stops import EXIT_STALLED, NonFiniteSteps
 from pp_offload.recipe.timeline import StepTimeline
@@ -96,20 +98,12 @@ class RunResult:
     last_step: int = 0  # the step the run's weights are at when it returned
 
 
+#: What a one-process run says first: it is the reference, not a pipeline, and how to get the pipeline.
+ONE_PROCESS_NOTE = (
+    "finetune: one process: training the unsplit model (no pipeline split); to split it, start one "
+    "process per pipeline rank: pp-offload train --nproc-per-node N (or torchrun --nproc-per-node N)"
+)
 _AUTO_SUMMARY = ("schedule", "offload", "memory_limit", "predicted_step_s", "peak_bytes", "reason")
-
-
-def _lr_at(config: RecipeConfig, step: int) -> float:
-    """Linear warm-up to ``train.lr``, then cosine (or constant) down to ``lr * min_lr_ratio``."""
-    train = config.train
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    if train.lr_schedule == "constant":
-        return train.lr
-    span = max(train.steps - train.warmup_steps, 1)
-    progress = min((step - train.warmup_steps) / span, 1.0)
-    floor = train.lr * train.min_lr_ratio
-    return floor + (train.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _check(config: RecipeConfig) -> None:
@@ -323,10 +317,14 @@ def run(
     cache = Path(cache_dir) if cache_dir is not None else out / "cache"
     if topo.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        if warning := warmup_warning(config):
+            print(warning, file=sys.stderr, flush=True)
     check_model_sources(config)
     preflight(config, topo, num_layers_of(config) if topo.distributed else None)
+    check_positions(config, hf_config_of(config))
     data = _data(config, topo, cache)  # before the group exists: a bad dataset stops every rank alike
-    plan = plan_resume(config, out / "checkpoints", restarts=restart_count(), lr_at=_lr_at)  # the same
+    layout = {"pp": topo.pp, "dp": topo.dp}
+    plan = plan_resume(config, out / "checkpoints", restarts=restart_count(), layout=layout)  # the same
     created = init_process_group(config, topo, device)
     try:
         return _run(config, topo, device, out, cache, progress, data, plan)
@@ -373,7 +371,7 @@ def _run(
 
             config, decision = choose_schedule(
                 config, model, topo, device, mesh, probe_step, out, reuse=resume_from is not None
-            )
+            )  # a layout other than the checkpoint's is probed again (auto.json records its layout)
         inputs = decision.offload_inputs if decision is not None else None  # what auto chose with
         pipeline = build_pipeline(config, model, topo, device, mesh, offload_inputs=inputs)
         module = pipeline.module
@@ -382,6 +380,8 @@ def _run(
             raise ConfigError(
                 f"pipeline.pp={config.pipeline.pp} needs that many processes; launch with torchrun"
             )
+        if topo.rank == 0:
+            print(ONE_PROCESS_NOTE, flush=True)
         model.to(device).train()
         module = unwrap_peft(model)  # with LoRA: the model under the PeftModel, named as the stages are
         reference = _Reference(module, config.pipeline.microbatches, seed=config.train.seed)
@@ -417,7 +417,9 @@ def _run(
             group=pipeline.pp_group,
         )
     timeline_step = start + 1 if train.steps - start > 1 else start
-    meta = {"config": config.to_dict()}  # how a relaunch recognises this run's checkpoints
+    meta = {"config": config.to_dict(), "layout": {"pp": topo.pp, "dp": topo.dp}}  # how a relaunch
+    if plan.lr_restart is not None:  # recognises this run's checkpoints, and its learning-rate curve
+        meta["lr_restart"] = plan.lr_restart.to_dict()
     where = StepProgress()  # what this rank does now, for the stall report
     untrack = track_actions(pipeline.schedule, where) if pipeline is not None else (lambda: None)
     watchdog = None
@@ -435,7 +437,7 @@ def _run(
                 if timeline is not None and step == timeline_step:
                     timeline.start()
                 batch = to_device(batches.batch(step), device)
-                lr = _lr_at(config, step)
+                lr = lr_at(config, step, plan.lr_restart)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 optimizer.zero_grad(set_to_none=True)
