@@ -6,8 +6,13 @@ only notes the request; the training loop adds it to the all-reduce it already d
 so every rank learns of it after the same step (a signal that reached one rank only stops all of them
 together), then all write the checkpoint of that step and return.
 
+SIGINT (Ctrl-C) does the same the first time: every rank finishes its step and writes the checkpoint
+(before, each rank died of a KeyboardInterrupt with a traceback and the steps since the last checkpoint
+were lost); a second SIGINT interrupts at once, as Ctrl-C always did.
+
 torchrun forwards SIGTERM (and SIGINT, SIGHUP, SIGQUIT) to its workers and gives them 30 s before it kills
-them; it does not forward SIGUSR1, which must reach the worker processes themselves.
+them; it does not forward SIGUSR1, which must reach the worker processes themselves (``pp-offload train``
+does that: `pp_offload.recipe.signals`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any
 __all__ = ["PREEMPT_SIGNALS", "StopRequest"]
 
 #: The signals that ask for a checkpoint and a clean exit.
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Handlers that count as "nobody installed one": Python's own for SIGINT (it raises KeyboardInterrupt).
+_UNCLAIMED = (signal.SIG_DFL, signal.default_int_handler)
 
 
 class StopRequest:
@@ -46,11 +53,13 @@ class StopRequest:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is None:
             self.signal = signum
+        elif signum == signal.SIGINT and self.signal == signal.SIGINT:  # Ctrl-C twice: stop now
+            raise KeyboardInterrupt
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in PREEMPT_SIGNALS:
-                if signal.getsignal(sig) is signal.SIG_DFL:  # leave a handler someone installed alone
+                if signal.getsignal(sig) in _UNCLAIMED:  # leave a handler someone installed alone
                     self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
