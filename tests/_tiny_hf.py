@@ -1,9 +1,20 @@
-"""A tiny Hugging Face Llama or GPT-2 (2 layers, hidden 32, no dropout, sdpa) for the recompute tests."""
+"""A tiny Hugging Face Llama or GPT-2 (2 layers, hidden 32, no dropout, sdpa) for the recompute tests, and
+the recipe's tiny Llama (``model.config`` entries) for tests that launch the recipe."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+#: ``model.config`` of a 4-layer Llama small enough for a recipe run of a few steps on 2 CPU ranks.
+RECIPE_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def tiny_hf(family: str) -> tuple[nn.Module, list[nn.Module], dict]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _tiny_hf import RECIPE_LLAMA
 
 from pp_offload.recipe.launcher import _check_nodes, add_arguments, torchrun_command
 from pp_offload.recipe.signals import run_forwarding_signals
@@ -179,14 +180,7 @@ def test_two_nodes_on_loopback_and_sigterm_to_one_launcher(tmp_path: Path) -> No
     out = tmp_path / "run"
     config = {
         "model": {
-            "config": {
-                "model_type": "llama",
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-            },
+            "config": RECIPE_LLAMA,
             "verify_split": False,
         },
         "data": {"path": "embedded", "seq_len": 32, "max_examples": 64},

@@ -9,21 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_on_ranks
+from _tiny_hf import RECIPE_LLAMA
 from _tolerance import assert_trajectory_close
 
 from pp_offload.recipe import ConfigError, RecipeConfig, load_config
 from pp_offload.recipe.preflight import preflight
 from pp_offload.recipe.topology import Topology
 
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
-}
+LLAMA = {**RECIPE_LLAMA, "tie_word_embeddings": True}
 GPT2 = {
     "model_type": "gpt2",
     "n_embd": 32,

@@ -19,18 +19,11 @@ import pytest
 import torch
 import yaml
 from _dist import RankError, run_on_ranks
+from _tiny_hf import RECIPE_LLAMA
 
 from pp_offload.recipe import ConfigError, RecipeConfig
 
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
-}
+LLAMA = {**RECIPE_LLAMA, "tie_word_embeddings": True}
 STEPS = 6
 REPO = Path(__file__).resolve().parents[1]
 
