@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from _tiny_hf import RECIPE_LLAMA
 
 from pp_offload.recipe import RecipeConfig
 from pp_offload.recipe.lr import LrRestart, extension, lr_at, warmup_warning
@@ -145,3 +146,39 @@ def test_a_warmup_as_long_as_the_run_warns(tmp_path: Path) -> None:
         "finetune: warning: train.warmup_steps=10 >= train.steps=8: the learning rate never reaches "
         "train.lr=0.003 (it ends at 2.400e-03); lower train.warmup_steps or raise train.steps"
     )
+
+
+def test_one_process_extended_run_says_what_it_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
+) -> None:
+    """End to end in one process: the run says it trains the unsplit model; extended from 3 to 6 steps in the same dir, the rate of step 4 is at most 1.05x step 3's
+    (metrics.csv), and the resume line states the rule. A seq_len beyond the model's positions stops the
+    ranks too (not only the launcher) before any data is read."""
+    import csv
+
+    from pp_offload.recipe import ConfigError
+    from pp_offload.recipe.train import ONE_PROCESS_NOTE, run
+
+    def config(steps: int, **data: object) -> RecipeConfig:
+        return RecipeConfig.from_dict(
+            {
+                "model": {"config": {**RECIPE_LLAMA, "max_position_embeddings": 64}, "verify_split": False},
+                "data": {"path": "embedded", "seq_len": 32, "max_examples": 32, **data},
+                "pipeline": {"microbatches": 2},
+                "train": {"steps": steps, "global_batch_size": 2, "warmup_steps": 1, "device": "cpu"},
+                "output": {"dir": str(tmp_path / "run"), "metrics": ["csv"], "export": False, "log_every": 0},
+            }
+        )
+
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError, match=r"data\.seq_len=128 is longer than the model's positions"):
+        run(config(3, seq_len=128), cache_dir=cache, progress=False)
+    run(config(3), cache_dir=cache, progress=False)
+    first = capsys.readouterr()
+    assert ONE_PROCESS_NOTE in first.out
+    run(config(6), cache_dir=cache, progress=False)
+    assert "train.steps 3 -> 6: the learning rate stays at the schedule's floor" in capsys.readouterr().out
+    with (tmp_path / "run" / "metrics.csv").open() as f:
+        rates = {int(row["step"]): float(row["lr"]) for row in csv.DictReader(f)}
+    assert sorted(rates) == [1, 2, 3, 4, 5, 6]
+    assert rates[4] <= 1.05 * rates[3]
