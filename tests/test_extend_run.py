@@ -151,9 +151,10 @@ def test_a_warmup_as_long_as_the_run_warns(tmp_path: Path) -> None:
 def test_one_process_extended_run_says_what_it_does(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
 ) -> None:
-    """End to end in one process: the run says it trains the unsplit model; extended from 3 to 6 steps in the same dir, the rate of step 4 is at most 1.05x step 3's
-    (metrics.csv), and the resume line states the rule. A seq_len beyond the model's positions stops the
-    ranks too (not only the launcher) before any data is read."""
+    """End to end in one process: the run says it trains the unsplit model; extended from 3 to 6 steps in
+    the same dir, the rate of step 4 is at most 1.05x step 3's (metrics.csv), and the resume line states
+    the rule. A seq_len beyond the model's positions stops the ranks too (not only the launcher) before
+    any data is read."""
     import csv
 
     from pp_offload.recipe import ConfigError
