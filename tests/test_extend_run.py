@@ -141,6 +141,9 @@ def test_auto_probes_again_on_another_layout(tmp_path: Path, capsys: pytest.Capt
 
 def test_a_warmup_as_long_as_the_run_warns(tmp_path: Path) -> None:
     assert warmup_warning(_config(tmp_path, steps=8, warmup_steps=7)) is None
+    assert "learning rate reaches train.lr=0.003 only at the last step, with no decay" in str(
+        warmup_warning(_config(tmp_path, steps=8, warmup_steps=8))
+    )
     line = warmup_warning(_config(tmp_path, steps=8, warmup_steps=10))
     assert line == (
         "finetune: warning: train.warmup_steps=10 >= train.steps=8: the learning rate never reaches "

@@ -107,11 +107,12 @@ def _check_nodes(args: argparse.Namespace) -> None:
         raise ConfigError("--master-addr (static rendezvous) needs --node-rank on every node")
 
 
-def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | None = None) -> None:
+def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | None = None) -> str | None:
     """Every check of a run on ``world`` processes (``per_node`` of them on this node; default: all) that
     needs no process group, as rank 0 would make it.
 
-    Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`)."""
+    Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`, `CheckpointReadError`);
+    returns the line the ranks will print about the output dir's checkpoints (a resume), or None."""
     from pp_offload.data import embedded_assets, embedded_dir, load_examples
     from pp_offload.recipe.model_loading import check_config_model, hf_config_of, num_layers_of
     from pp_offload.recipe.preflight import preflight
@@ -141,7 +142,7 @@ def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | Non
     elif config.pipeline.pp not in (None, 1):
         raise ConfigError(f"pipeline.pp={config.pipeline.pp} needs that many processes: --nproc-per-node")
     check_positions(config, hf_config_of(config))
-    check_checkpoints(config, {"pp": topo.pp, "dp": topo.dp})
+    resume = check_checkpoints(config, {"pp": topo.pp, "dp": topo.dp})
     import datasets
 
     quiet = datasets.utils.are_progress_bars_disabled()
@@ -166,6 +167,7 @@ def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | Non
     finally:
         if not quiet:
             datasets.enable_progress_bars()
+    return resume
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -176,7 +178,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         _check_nodes(args)
         config = cli.config_from_args(args)
-        check_before_launch(config, world, per_node=args.nproc_per_node)
+        resume = check_before_launch(config, world, per_node=args.nproc_per_node)
     except cli.CONFIGURATION_ERRORS as error:
         cli.report_configuration_error(error, "0")
         return 2
@@ -189,6 +191,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         if warning := warmup_warning(config):
             print(warning, file=sys.stderr)
         print(f"finetune: configuration ok for {world} process(es)")
+        if resume:  # what a launch would do with the output dir's checkpoints
+            print(resume.replace("finetune: resumed", "finetune: would resume", 1))
         return 0
     argv = cli.recipe_argv(args)
     if world == 1:

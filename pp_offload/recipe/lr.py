@@ -113,8 +113,11 @@ def warmup_warning(config: RecipeConfig) -> str | None:
     if train.warmup_steps < train.steps:
         return None
     top = lr_at(config, train.steps - 1)
+    if train.warmup_steps == train.steps:
+        what = f"reaches train.lr={train.lr:g} only at the last step, with no decay after it"
+    else:
+        what = f"never reaches train.lr={train.lr:g} (it ends at {top:.3e})"
     return (
         f"finetune: warning: train.warmup_steps={train.warmup_steps} >= train.steps={train.steps}: the "
-        f"learning rate never reaches train.lr={train.lr:g} (it ends at {top:.3e}); lower "
-        "train.warmup_steps or raise train.steps"
+        f"learning rate {what}; lower train.warmup_steps or raise train.steps"
     )
