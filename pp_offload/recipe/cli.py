@@ -9,9 +9,10 @@ Launch one process per pipeline rank with torchrun or accelerate::
 With one process (plain ``python``) the same config trains the unsplit model: the reference a pipelined run
 reproduces.
 
-Exit codes: 0 done, or stopped by SIGTERM / SIGUSR1 after writing a checkpoint (a rerun continues); 1 a rank
-failed, or a checkpoint could not be written; 2 a configuration error; 3 too many non-finite steps in a
-row (``train.max_bad_steps``); 4 a step stalled (``train.stall_timeout``). See docs/reliability.md.
+Exit codes: 0 done, or stopped by SIGTERM / SIGUSR1 / SIGINT after writing a checkpoint (a rerun
+continues); 1 a rank failed, or a checkpoint could not be written; 2 a configuration error, or a checkpoint
+file refused as corrupt or tampered with; 3 too many non-finite steps in a row (``train.max_bad_steps``);
+4 a step stalled (``train.stall_timeout``). See docs/reliability.md.
 """
 
 from __future__ import annotations

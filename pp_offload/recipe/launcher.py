@@ -41,9 +41,10 @@ __all__ = [
 ]
 
 DESCRIPTION = (
-    "Fine-tune with the recipe (recipes/finetune.py) on this machine: check the config once, then start "
-    "--nproc-per-node ranks with torchrun. A configuration error is one line (exit code 2), before any "
-    "rank starts."
+    "Fine-tune with the recipe (recipes/finetune.py) on this machine (or, with --nnodes, on each node): "
+    "check the config once, then start --nproc-per-node ranks with torchrun. A configuration error is one "
+    "line (exit code 2), before any rank starts. SIGTERM, SIGINT and SIGUSR1 reach the ranks, which write "
+    "a checkpoint and stop."
 )
 EPILOG = "example: pp-offload train --nproc-per-node 4 --config recipes/configs/tiny_llama.yaml --dp 2"
 
