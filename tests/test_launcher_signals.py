@@ -66,7 +66,12 @@ _FAKE_TORCHRUN = textwrap.dedent(
     ],
 )
 def test_signals_reach_torchrun_or_its_workers_and_the_code_comes_back(
-    tmp_path: Path, sig: int, torchrun_got: str, worker_got: str, code: int
+    tmp_path: Path,
+    sig: int,
+    torchrun_got: str,
+    worker_got: str,
+    code: int,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     script = tmp_path / "fake_torchrun.py"
     script.write_text(_FAKE_TORCHRUN)
@@ -74,7 +79,10 @@ def test_signals_reach_torchrun_or_its_workers_and_the_code_comes_back(
 
     def send_when_ready() -> None:
         deadline = time.monotonic() + 30
-        while not os.path.exists(log + ".ready") and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (
+            os.path.exists(log + ".ready")
+            and signal.getsignal(sig) not in (signal.SIG_DFL, signal.default_int_handler)
+        ):  # the worker runs and the launcher's handler is in place
             time.sleep(0.02)
         os.kill(os.getpid(), sig)  # to the launcher: the test process runs it
 
@@ -85,6 +93,11 @@ def test_signals_reach_torchrun_or_its_workers_and_the_code_comes_back(
     read = lambda name: Path(f"{log}.{name}").read_text().strip() if Path(f"{log}.{name}").exists() else ""  # noqa: E731
     assert (read("torchrun"), read("worker")) == (torchrun_got, worker_got)
     assert signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)  # handlers restored
+    where = "its workers" if worker_got else "torchrun"
+    name = signal.Signals(sig).name
+    assert capsys.readouterr().err.endswith(
+        f"finetune: {name} passed on to {where}; the launcher exits with torchrun's code, {code}\n"
+    )
 
 
 def test_a_child_killed_by_a_signal_is_reported_as_a_shell_would() -> None:

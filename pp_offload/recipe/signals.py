@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from types import FrameType
 
@@ -46,8 +47,10 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     """Run ``command`` (torchrun), passing `FORWARDED` signals on; return its exit code (128 + N when it
     died of signal N). The previous handlers come back afterwards."""
     proc = subprocess.Popen(list(command), env=env, start_new_session=True)
+    passed: list[str] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        passed.append(signal.Signals(signum).name)
         targets = _children(proc.pid) if signum in TO_WORKERS else [proc.pid]
         for pid in targets:
             try:
@@ -61,4 +64,12 @@ def run_forwarding_signals(command: Sequence[str], env: dict[str, str] | None = 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
+    code = 128 - code if code < 0 else code
+    if passed:  # the last line under torchrun's own report of the signal
+        where = "its workers" if passed[0] in {s.name for s in TO_WORKERS} else "torchrun"
+        print(
+            f"finetune: {passed[0]} passed on to {where}; the launcher exits with torchrun's code, {code}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return code
