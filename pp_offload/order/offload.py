@@ -884,7 +884,11 @@ def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: 
 
 def _unit_shares(unit_compute: Any, counts: list[int]) -> list[tuple[float, ...]]:
     """Per stage, each unit's share of the stage's passes (``unit_compute`` entries, else equal shares)."""
-    given = _per_stage(unit_compute, len(counts), "unit_compute", integer=False) if unit_compute else None
+    given = None
+    if unit_compute:  # a stage without units (no decoder layers: the LM head's) has None
+        entries = list(unit_compute.values()) if isinstance(unit_compute, Mapping) else list(unit_compute)
+        _per_stage([0.0 if e is None else e for e in entries], len(counts), "unit_compute", integer=False)
+        given = unit_compute
     out = []
     for s, n in enumerate(counts):
         entry = given[s] if given is not None else None

@@ -60,6 +60,7 @@ __all__ = [
     "chosen_config",
     "is_auto",
     "machine_preset",
+    "probe_config",
     "recompute_candidates",
     "recompute_modes",
 ]
@@ -72,7 +73,7 @@ def is_auto(config: RecipeConfig) -> bool:
     return str(config.pipeline.schedule).lower() == AUTO
 
 
-def _probe_config(config: RecipeConfig) -> RecipeConfig:
+def probe_config(config: RecipeConfig) -> RecipeConfig:
     from pp_offload.plan.auto import PROBE_OFFLOAD, PROBE_SCHEDULE
 
     pipeline = dataclasses.replace(
@@ -180,7 +181,7 @@ def choose_schedule(
     spec = config.pipeline
     options = recompute_candidates(config, model, device)  # pure: the same on every rank
     rng = rng_state()
-    probe = build_pipeline(_probe_config(config), model, topo, device, mesh, shard=False)
+    probe = build_pipeline(probe_config(config), model, topo, device, mesh, shard=False)
     measurement = measure_step(
         probe.schedule,
         lambda: probe_step(probe),

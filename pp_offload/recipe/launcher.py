@@ -91,6 +91,10 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
             embedded = embedded_assets(embedded_dir(cache)).tokenizer_dir
         tokenizer = load_tokenizer(config, embedded, examples)
         check_config_model(config, tokenizer, pipelined=topo.distributed)
+        if topo.distributed:  # what the ranks build before step 1 (pp_offload.recipe.dry_build)
+            from pp_offload.recipe.dry_build import dry_build
+
+            print(dry_build(config, topo, tokenizer).summary(), flush=True)
         if config.data.has_eval:
             from pp_offload.data import DataError
 
