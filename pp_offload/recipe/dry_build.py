@@ -22,7 +22,9 @@ Everything on the meta device costs no memory; for Llama-3-8B at pp 4 the whole 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -122,61 +124,105 @@ def _build_ranks(
     config: RecipeConfig, model: nn.Module, topo: Topology, inputs: Any, *, what: str
 ) -> list[RankBuild]:
     """Every pipeline rank's split, recompute wrappers and schedule (with its offload plan)."""
+    from pp_offload.runtime.catalog import schedule_info
+
+    info = schedule_info(config.pipeline.schedule)
+    device = device_for(config, topo)
+    with _one_plan_for_all_ranks():
+        return [_build_rank(config, model, topo, inputs, info, device, rank, what) for rank in range(topo.pp)]
+
+
+def _build_rank(
+    config: RecipeConfig,
+    model: nn.Module,
+    topo: Topology,
+    inputs: Any,
+    info: Any,
+    device: torch.device,
+    rank: int,
+    what: str,
+) -> RankBuild:
+    """Pipeline rank ``rank``'s share, built by the functions `build_pipeline` calls; a failure is the
+    one-line `ConfigError` naming the rank, the part and the error the rank would raise."""
     from pp_offload.models import TokenCrossEntropy
     from pp_offload.recipe.pipeline import apply_recompute, rank_schedule, split_for_rank
     from pp_offload.runtime import compat
-    from pp_offload.runtime.catalog import schedule_info
 
     spec = config.pipeline
-    info = schedule_info(spec.schedule)
     num_stages = topo.pp * info.stages_per_rank(spec.stages_per_rank)
-    device = device_for(config, topo)
-    built = []
-    for rank in range(topo.pp):
-        part = "split"
-        try:
-            split = split_for_rank(config, model, info, pp=topo.pp, pp_rank=rank)
-            part = "recompute wrappers"
-            apply_recompute(config, split)
-            part = "schedule and offload plan"
-            stages = [_stand_in(split.stages[s], s, num_stages, rank, topo.pp) for s in split.stage_indices]
-            schedule = rank_schedule(
-                config,
-                model,
-                info,
-                split,
-                stages,
-                TokenCrossEntropy(),
-                pp=topo.pp,
-                dp=topo.dp,
-                device=device,
-                offload_inputs=inputs,
-                log=rank == 0,  # the line rank 0 prints on where the offload figures come from
-            )
-        except ConfigError:
-            raise
-        except Exception as error:  # what the rank would raise at start-up, as one configuration line
-            reason = " ".join(str(error).split()) or type(error).__name__
-            raise ConfigError(
-                f"--check: pipeline rank {rank} cannot build {what} ({spec.schedule}, offload "
-                f"{spec.offload or 'none'}, activation_checkpointing "
-                f"{config.train.activation_checkpointing}): {part}: {reason}"
-            ) from error
-        runtime = getattr(schedule, "offload", None)
-        plan = getattr(runtime, "plan", None)
-        lowered = compat.lowered_order(schedule)[rank]
-        copies = [a for a in lowered if compat.action_parts(a)[1] in ("OFFLOAD", "RELOAD")]
-        built.append(
-            RankBuild(
-                rank=rank,
-                stages=tuple(split.stage_indices),
-                layers=tuple(split.layers_per_stage[i] for i, _ in enumerate(split.stage_indices)),
-                actions=len(lowered),
-                offloaded_chunks=len(plan.offloaded.get(rank, ())) if plan is not None else 0,
-                copy_actions=len(copies),
+    part = "split"
+    try:
+        split = split_for_rank(config, model, info, pp=topo.pp, pp_rank=rank)
+        part = "recompute wrappers"
+        apply_recompute(config, split)
+        part = "schedule and offload plan"
+        stages = [_stand_in(split.stages[s], s, num_stages, rank, topo.pp) for s in split.stage_indices]
+        schedule = rank_schedule(
+            config,
+            model,
+            info,
+            split,
+            stages,
+            TokenCrossEntropy(),
+            pp=topo.pp,
+            dp=topo.dp,
+            device=device,
+            offload_inputs=inputs,
+            log=rank == 0,  # the line rank 0 prints on where the offload figures come from
+        )
+    except ConfigError:
+        raise
+    except Exception as error:  # what the rank would raise at start-up, as one configuration line
+        reason = " ".join(str(error).split()) or type(error).__name__
+        raise ConfigError(
+            f"--check: pipeline rank {rank} cannot build {what} ({spec.schedule}, offload "
+            f"{spec.offload or 'none'}, activation_checkpointing "
+            f"{config.train.activation_checkpointing}): {part}: {reason}"
+        ) from error
+    plan = getattr(getattr(schedule, "offload", None), "plan", None)
+    lowered = compat.lowered_order(schedule)[rank]
+    return RankBuild(
+        rank=rank,
+        stages=tuple(split.stage_indices),
+        layers=tuple(split.layers_per_stage[s] for s in split.stage_indices),
+        actions=len(lowered),
+        offloaded_chunks=len(plan.offloaded.get(rank, ())) if plan is not None else 0,
+        copy_actions=sum(compat.action_parts(a)[1] in ("OFFLOAD", "RELOAD") for a in lowered),
+    )
+
+
+@contextlib.contextmanager
+def _one_plan_for_all_ranks() -> Iterator[None]:
+    """Plan offload once for every rank of the build. Why: the plan covers all ranks (the planner's global
+    order), so every rank computes the same one; ``--check`` builds every rank in one process and would
+    otherwise pay for it once per rank (4 x 2.5 s for Llama-3-8B at pp 4). The plan of an order, costs,
+    policy and figures already planned in this build is the same object again."""
+    from pp_offload.runtime import offload
+
+    plans: dict[str, Any] = {}
+    original = offload.plan_offload
+
+    def plan_offload(order: Any, costs: Any, policy: Any, **kwargs: Any) -> Any:
+        peaks = kwargs.get("peaks")
+        figures = getattr(peaks, "__self__", peaks)  # OffloadInputs.peaks: the inputs it is bound to
+        key = repr(
+            (
+                sorted((r, list(map(str, a))) for r, a in order.items()),
+                costs,
+                policy,
+                figures,
+                {k: v for k, v in kwargs.items() if k != "peaks"},
             )
         )
-    return built
+        if key not in plans:
+            plans[key] = original(order, costs, policy, **kwargs)
+        return plans[key]
+
+    offload.plan_offload = plan_offload
+    try:
+        yield
+    finally:
+        offload.plan_offload = original
 
 
 def _stand_in(module: nn.Module, index: int, num_stages: int, rank: int, pp: int) -> Any:
@@ -199,9 +245,9 @@ def _planner_pick(
     ranks would build from it, its offload figures and a note saying so; (None, None, note) when the
     planner cannot model this run."""
     from pp_offload.models.lora import unwrap_peft
-    from pp_offload.plan.auto import AutoError, choose
+    from pp_offload.plan.auto import AutoError
     from pp_offload.plan.probe import predicted_measurement
-    from pp_offload.recipe.auto import chosen_config, machine_preset, recompute_candidates
+    from pp_offload.recipe.auto import choose_within, chosen_config, machine_preset, recompute_candidates
 
     spec = config.pipeline
     device = device_for(config, topo)
@@ -217,15 +263,7 @@ def _planner_pick(
             microbatch_size=microbatch,
             layers_per_stage=layers_per_stage,  # the probe's split: the pick's figures must match it
         )
-        budget = None if spec.activation_budget_gib is None else int(spec.activation_budget_gib * 2**30)
-        decision = choose(
-            measurement,
-            num_microbatches=spec.microbatches,
-            memory_limit=spec.memory_limit,
-            activation_budget_bytes=budget,
-            offload=spec.offload if isinstance(spec.offload, list) else None,
-            recompute=recompute_candidates(config, model, device),
-        )
+        decision = choose_within(config, measurement, recompute_candidates(config, model, device))
     except (AutoError, ValueError) as error:
         reason = " ".join(str(error).split())
         return (
