@@ -28,6 +28,7 @@ __all__ = [
     "RecomputeForm",
     "RecomputePlan",
     "parse_recompute",
+    "recompute_examples",
     "recomputations",
 ]
 
@@ -123,6 +124,12 @@ RECOMPUTE_FORMS: tuple[RecomputeForm, ...] = (
 )
 """Every form `parse_recompute` reads, in one place: its error message lists them, and the recipe's config
 reference (`pp_offload.recipe.config_doc`) renders them as the table of recompute plans."""
+
+
+def recompute_examples() -> tuple[str, ...]:
+    """Every form `parse_recompute` reads, one plan string each (`RECOMPUTE_FORMS`' examples), and each
+    mode alone: what tests walking the catalog (``--check`` on every plan) enumerate."""
+    return tuple(dict.fromkeys([*MODES, *(f.example for f in RECOMPUTE_FORMS)]))
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from pp_offload.sim import LayeredChunk, SimResult, flatten, simulate
 
 __all__ = [
     "OFFLOAD_FORMS",
+    "offload_examples",
     "OffloadForm",
     "OffloadPlan",
     "OffloadPolicy",
@@ -129,6 +130,16 @@ OFFLOAD_FORMS: tuple[OffloadForm, ...] = (
 )
 """Every string form `resolve_offload` reads, in one place: its error message lists them, and the recipe's
 config reference (`pp_offload.recipe.config_doc`) renders them as the table of offload policies."""
+
+
+def offload_examples() -> tuple[str, ...]:
+    """Every shape of policy `resolve_offload` reads, one string each: each form's example, and the
+    sub-layer modifier on every budget form (``budget:0.5:sublayer``, ``budget:close-w:sublayer``...).
+    Why: tests that walk the catalog (``--check`` on every policy and schedule) stay complete when a form
+    is added here."""
+    examples = [f.example for f in OFFLOAD_FORMS]
+    budget = [e for e in examples if e.startswith("budget") and _SUBLAYER not in e]
+    return tuple(dict.fromkeys(examples + [f"{e}:{_SUBLAYER}" for e in budget]))
 
 
 def _forms(*, budget: bool = False) -> str:

@@ -40,13 +40,14 @@ __all__ = ["DryBuild", "RankBuild", "dry_build"]
 
 @dataclass(frozen=True)
 class RankBuild:
-    """What one pipeline rank builds: its stages, their decoder layers, how many actions its lowered order
-    holds, and the offload plan's share of it (chunks moved whole or by layer, and OFFLOAD/RELOAD
-    actions)."""
+    """What one pipeline rank builds: its stages, their decoder layers, the layers wrapped for recompute, how
+    many actions its lowered order holds (0 for torch's single-stage schedules, which run without one), and
+    the offload plan's share of it (chunks moved whole or by layer, and OFFLOAD/RELOAD actions)."""
 
     rank: int
     stages: tuple[int, ...]
     layers: tuple[int, ...]
+    recomputed: int
     actions: int
     offloaded_chunks: int = 0
     copy_actions: int = 0
@@ -154,7 +155,7 @@ def _build_rank(
     try:
         split = split_for_rank(config, model, info, pp=topo.pp, pp_rank=rank)
         part = "recompute wrappers"
-        apply_recompute(config, split)
+        recomputed = apply_recompute(config, split)
         part = "schedule and offload plan"
         stages = [_stand_in(split.stages[s], s, num_stages, rank, topo.pp) for s in split.stage_indices]
         schedule = rank_schedule(
@@ -180,11 +181,12 @@ def _build_rank(
             f"{config.train.activation_checkpointing}): {part}: {reason}"
         ) from error
     plan = getattr(getattr(schedule, "offload", None), "plan", None)
-    lowered = compat.lowered_order(schedule)[rank]
+    lowered = compat.lowered_order(schedule)[rank] if compat.is_runtime_schedule(schedule) else []
     return RankBuild(
         rank=rank,
         stages=tuple(split.stage_indices),
         layers=tuple(split.layers_per_stage[s] for s in split.stage_indices),
+        recomputed=recomputed,
         actions=len(lowered),
         offloaded_chunks=len(plan.offloaded.get(rank, ())) if plan is not None else 0,
         copy_actions=sum(compat.action_parts(a)[1] in ("OFFLOAD", "RELOAD") for a in lowered),
@@ -230,7 +232,7 @@ def _stand_in(module: nn.Module, index: int, num_stages: int, rank: int, pp: int
     with the attributes schedules and offload read (as torch's schedule visualizer builds its stages)."""
     from torch.distributed.pipelining import PipelineStage
 
-    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage = mock.NonCallableMagicMock(spec=PipelineStage)  # autospec's signature checks: 30x slower
     stage.group_rank, stage.group_size, stage.num_stages, stage.stage_index = rank, pp, num_stages, index
     stage.submod = module
     stage.device = torch.device("cpu")  # where the activation store would copy from: nothing is copied

@@ -200,15 +200,13 @@ def split_for_rank(
     )
 
 
-def apply_recompute(config: RecipeConfig, split: ModelSplit) -> str | None:
-    """Wrap the split's decoder layers in ``train.activation_checkpointing``'s recompute plan; returns the
-    plan (None: no recompute)."""
+def apply_recompute(config: RecipeConfig, split: ModelSplit) -> int:
+    """Wrap the split's decoder layers in ``train.activation_checkpointing``'s recompute plan; returns how
+    many layers it wrapped (0: no recompute)."""
     from pp_offload.parallel import activation_checkpointing, checkpointing_mode
 
     recompute = checkpointing_mode(config.train.activation_checkpointing)
-    if recompute is not None:
-        activation_checkpointing(split, mode=recompute)
-    return recompute
+    return 0 if recompute is None else activation_checkpointing(split, mode=recompute)
 
 
 def rank_schedule(
