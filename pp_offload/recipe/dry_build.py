@@ -247,6 +247,7 @@ def _planner_pick(
     ranks would build from it, its offload figures and a note saying so; (None, None, note) when the
     planner cannot model this run."""
     from pp_offload.models.lora import unwrap_peft
+    from pp_offload.parallel import checkpointing_mode
     from pp_offload.plan.auto import AutoError
     from pp_offload.plan.probe import predicted_measurement
     from pp_offload.recipe.auto import choose_within, chosen_config, machine_preset, recompute_candidates
@@ -264,6 +265,7 @@ def _planner_pick(
             machine=machine,
             microbatch_size=microbatch,
             layers_per_stage=layers_per_stage,  # the probe's split: the pick's figures must match it
+            recompute=checkpointing_mode(config.train.activation_checkpointing) or "none",  # the probe's
         )
         decision = choose_within(config, measurement, recompute_candidates(config, model, device))
     except (AutoError, ValueError) as error:
@@ -276,10 +278,11 @@ def _planner_pick(
                 f"{machine} preset picks nothing to build ({reason[:200]}); the ranks measure and pick"
             ),
         )
+    picked = chosen_config(config, decision)
     note = (
         "schedule: auto: built the probe pipeline and the pick the planner's model predicts on the "
         f"{machine} preset ({decision.schedule}, offload {decision.offload}, recompute "
-        f"{decision.recompute}), not a measurement: the ranks measure a probe step and may pick another "
-        "candidate"
+        f"{checkpointing_mode(picked.train.activation_checkpointing) or 'none'}), not a measurement: the "
+        "ranks measure a probe step and may pick another candidate"
     )
-    return chosen_config(config, decision), decision.offload_inputs, note
+    return picked, decision.offload_inputs, note
