@@ -10,6 +10,7 @@ on V-Half and ZBV) trains on 2 gloo ranks exactly as the same schedule without o
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from _dist import run_on_ranks
+from test_recipe import LLAMA  # the recipe tests' tiny Llama
 
 from pp_offload.order.offload import offload_examples, resolve_offload
 from pp_offload.parallel import checkpointing_mode
@@ -30,20 +32,8 @@ from pp_offload.runtime.catalog import schedule_info, schedule_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SCHEDULES = (
-    "ScheduleVHalf",
-    "ScheduleZBVZeroBubble",
-    "ScheduleInterleaved1F1B",
-)  # V, torch split-bwd, looped
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
-}
+# a schedule of each family: our V, torch's V with split backward, torch's looped (full backward)
+SCHEDULES = ("ScheduleVHalf", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B")
 TOPO = Topology(rank=0, world=2, local_rank=0, pp=2, dp=1)
 
 
@@ -151,7 +141,7 @@ def test_cli_check_builds_and_refuses_with_exit_2(tmp_path: Path, cache: Path, c
     def run(config: dict) -> int:
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump(config))
-        parser = __import__("argparse").ArgumentParser()
+        parser = argparse.ArgumentParser()
         launcher.add_arguments(parser)
         return launcher.run_from_args(
             parser.parse_args(["--nproc-per-node", "2", "--config", str(path), "--check"])
