@@ -4,8 +4,10 @@ Why: under torchrun every rank checks the config, rank 0 prints the error, and t
 40-line failure report (a ``ChildFailedError`` traceback, the exit code of each rank) under it, because a
 rank exited non-zero. Everything that does not need the ranks (every key's type and range, the process
 count against ``pipeline.pp x pipeline.dp``, the schedule, layers against stages, the batch split, the
-model and tokenizer directories, the data's columns, a tokenizer to train) is checked here first, in the
-parent: a bad config ends in one line and exit code 2, and torchrun is never started. What it trains or
+model and tokenizer directories, the data's columns, a tokenizer to train, and every pipeline rank's
+split, recompute wrappers, lowered order and offload plan, built on the meta device by
+`pp_offload.recipe.dry_build`) is checked here first, in the parent: a bad config ends in one line and exit
+code 2, and torchrun is never started. What it trains or
 downloads here (``model.tokenizer: train``, the embedded corpus, a hub dataset) lands in the caches the
 ranks then reuse.
 
