@@ -108,6 +108,22 @@ def test_every_offload_policy_and_recompute_plan_passes_check(
         _assert_built(build, "budget:sublayer", plan)
 
 
+def test_sublayer_offload_plans_around_a_stage_without_layers() -> None:
+    """The planner's split of a short model can leave the LM head's stage without decoder layers (no sub-layer
+    units, ``unit_compute`` None): ``--check`` of ``schedule: auto`` plans on such a split."""
+    from pp_offload.plan.evaluate import build_orders, offload_plan
+    from pp_offload.plan.handoff import planner_setup
+
+    shape = {**LLAMA, "vocab_size": 512}
+    setup = planner_setup(
+        shape, schedule="ScheduleVHalf", pp=2, seq_len=32, microbatch_size=2, num_microbatches=4
+    )
+    assert 0 in setup.layers
+    order = build_orders(setup, [4], search="full", virtual_stages=2).orders[4]
+    plan = offload_plan(setup, order, "budget:sublayer")
+    assert plan.layered and all(setup.layers[stage] for stage, _ in plan.layered)
+
+
 def test_check_refuses_what_every_rank_refuses_in_one_line(tmp_path: Path, tokenizer: Any) -> None:
     """Walking every schedule with every offload policy: ``--check`` passes or refuses with one line, and
     refuses exactly where the ranks' own checks do (offload on a single-stage schedule, V-Adaptive without its
