@@ -16,8 +16,9 @@ unsharded here), memory.
 preset (`pp_offload.plan.probe.predicted_measurement`, no measurement), and says so: the ranks measure and
 may pick another candidate, which they build with the same functions.
 
-Everything on the meta device costs no memory; for Llama-3-8B at pp 4 the whole build takes a few seconds
-(the planner's figures are most of it).
+Everything on the meta device costs no memory. Every rank makes the same offload plan (it covers all
+ranks), so the build makes it once (`_one_plan_for_all_ranks`); for Llama-3-8B at pp 4 the whole build
+then takes about 2 s, most of it that plan (`bench/bench_dry_build.py`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class DryBuild:
     seconds: float = 0.0
 
     def summary(self) -> str:
-        """One line per build step the ranks will repeat, then the notes."""
+        """One line on what was built (schedule, ranks, split, recompute, offload plan), then the notes."""
         moved = sum(r.offloaded_chunks for r in self.ranks)
         copies = sum(r.copy_actions for r in self.ranks)
         lines = [
