@@ -7,9 +7,8 @@ count against ``pipeline.pp x pipeline.dp``, the schedule, layers against stages
 model and tokenizer directories, the data's columns, a tokenizer to train, and every pipeline rank's
 split, recompute wrappers, lowered order and offload plan, built on the meta device by
 `pp_offload.recipe.dry_build`) is checked here first, in the parent: a bad config ends in one line and exit
-code 2, and torchrun is never started. What it trains or
-downloads here (``model.tokenizer: train``, the embedded corpus, a hub dataset) lands in the caches the
-ranks then reuse.
+code 2, and torchrun is never started. What it trains or downloads here (``model.tokenizer: train``, the
+embedded corpus, a hub dataset) lands in the caches the ranks then reuse.
 
     pp-offload train --nproc-per-node 4 --config my.yaml --dp 2
     pp-offload train --nproc-per-node 4 --config my.yaml --check     # check only, start nothing
