@@ -647,7 +647,6 @@ def _prepare(
     costs = Costs(**predicted["chunk_costs_s"])
     inputs = None
     if config.offload != "none":
-        from pp_offload.order.offload import resolve_offload
         from pp_offload.plan import offload_inputs, resolve_machine
 
         machine = resolve_machine(args.machine)
@@ -659,7 +658,7 @@ def _prepare(
         inputs = offload_inputs(
             shape,
             schedule=config.schedule,
-            granularity=resolve_offload(config.offload).granularity,
+            offload=config.offload,
             pp=args.pp,
             seq_len=args.seq,
             microbatch_size=1,

@@ -28,6 +28,7 @@ __all__ = [
     "RecomputeForm",
     "RecomputePlan",
     "parse_recompute",
+    "recompute_examples",
     "recomputations",
 ]
 
@@ -74,44 +75,55 @@ def recomputations(kind: str, *, first_stage: bool = False, once: bool = False) 
 @dataclass(frozen=True)
 class RecomputeForm:
     """One way to write a recompute plan: ``form`` (``<x>`` marks a number or a mode), an ``example`` that
-    `parse_recompute` reads, and what it does."""
+    `parse_recompute` reads, what it does, and when the planner (``pp-offload plan``, ``schedule: auto``)
+    picks it."""
 
     form: str
     example: str
     meaning: str
+    picked: str
 
 
 RECOMPUTE_FORMS: tuple[RecomputeForm, ...] = (
     RecomputeForm(
-        "none", "none", "No recompute: each layer keeps what autograd saves (`false` in the recipe)."
+        "none",
+        "none",
+        "No recompute: each layer keeps what autograd saves (`false` in the recipe).",
+        "Whenever the fastest candidate fits without recompute (recompute only costs time).",
     ),
     RecomputeForm(
         "mlp",
         "mlp",
         "Each layer's MLP keeps its matmul outputs and recomputes its activation function and "
         "gated product: the op group that frees the most bytes per byte of recompute traffic.",
+        "The cheapest recompute: when it is enough to fit.",
     ),
     RecomputeForm(
         "selective",
         "selective",
         "Each layer keeps its matmul and attention outputs and recomputes norms, "
         "rotary, activation functions and products.",
+        "When the MLP-only and the two-mode plans free too little and full recompute costs more.",
     ),
     RecomputeForm(
         "full",
         "full",
         "Each layer keeps only its input and recomputes its whole forward (`true` in the recipe).",
+        "Only when nothing lighter fits.",
     ),
     RecomputeForm(
         "<mode>:<share>",
         "selective:0.75",
         "The mode on the first `ceil(share x n)` of each stage's `n` "
         "layers (share in (0, 1]); the others keep everything.",
+        "When recomputing part of each stage's layers is enough: one step of a layer per stage between "
+        "none and every layer.",
     ),
     RecomputeForm(
         "<mode>:<share>,<mode>",
         "selective:0.75,mlp",
         "The first mode on that share of each stage's layers, the second on the others.",
+        "When the gap between `mlp` and `selective` on every layer is where the fastest fit lies.",
     ),
     RecomputeForm(
         "<plan>+once",
@@ -119,10 +131,17 @@ RECOMPUTE_FORMS: tuple[RecomputeForm, ...] = (
         "Any plan above, recomputing once per microbatch under split backward: the input-gradient pass "
         "keeps what it recomputed for the weight pass (the layer's activations stay on the device from "
         "I to W) instead of each pass recomputing.",
+        "On split-backward schedules, when the recompute it saves in W is worth the bytes held from I to W.",
     ),
 )
 """Every form `parse_recompute` reads, in one place: its error message lists them, and the recipe's config
 reference (`pp_offload.recipe.config_doc`) renders them as the table of recompute plans."""
+
+
+def recompute_examples() -> tuple[str, ...]:
+    """Every form `parse_recompute` reads, one plan string each (`RECOMPUTE_FORMS`' examples), and each
+    mode alone: what tests walking the catalog (``--check`` on every plan) enumerate."""
+    return tuple(dict.fromkeys([*MODES, *(f.example for f in RECOMPUTE_FORMS)]))
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from pp_offload.sim import LayeredChunk, SimResult, flatten, simulate
 
 __all__ = [
     "OFFLOAD_FORMS",
+    "offload_examples",
     "OffloadForm",
     "OffloadPlan",
     "OffloadPolicy",
@@ -74,61 +75,104 @@ _EPS = 1e-9
 @dataclass(frozen=True)
 class OffloadForm:
     """One way to write an offload policy as a string: ``form`` (``<x>`` marks a number), an ``example``
-    that `resolve_offload` reads, and what it does."""
+    that `resolve_offload` reads, what it does, and when the planner (``pp-offload plan``, ``schedule:
+    auto``) picks it: the recipe's config reference (`pp_offload.recipe.config_doc`) prints each line."""
 
     form: str
     example: str
     meaning: str
+    picked: str
 
 
 OFFLOAD_FORMS: tuple[OffloadForm, ...] = (
-    OffloadForm("none", "none", "No offload (also `null` or `false`)."),
     OffloadForm(
-        "full", "full", "Every chunk (one stage's activations of one microbatch) goes to host memory."
+        "none",
+        "none",
+        "No offload (also `null` or `false`).",
+        "Whenever the fastest candidate fits without offload (offload never makes an order faster).",
+    ),
+    OffloadForm(
+        "full",
+        "full",
+        "Every chunk (one stage's activations of one microbatch) goes to host memory.",
+        "When moving every chunk is the fastest way to fit: copies that hide behind compute (a fast host "
+        "link, long sequences).",
     ),
     OffloadForm(
         "selective",
         "selective",
         f"A share of each rank's chunks ({_DEFAULT_SELECTIVE_FRACTION:g}), the ones "
         "that lower the activation peak most.",
+        f"As `selective:{_DEFAULT_SELECTIVE_FRACTION:g}`.",
     ),
-    OffloadForm("selective:<fraction>", "selective:0.25", "That share of each rank's chunks, in [0, 1]."),
+    OffloadForm(
+        "selective:<fraction>",
+        "selective:0.25",
+        "That share of each rank's chunks, in [0, 1].",
+        "When that share of the chunks is enough to fit and hides better than moving them all.",
+    ),
     OffloadForm(
         "auto",
         "auto",
         "A share of the chunks from the ratio k of copy time to compute time: min(1, 1/k) "
         "(PipeOffload's analysis).",
+        "Never: the planner models the copy to compute ratio itself and compares explicit policies.",
     ),
     OffloadForm(
         "budget",
         "budget",
         "Layer by layer: as many of each chunk's earliest decoder layers as hide within "
         f"{100 * _DEFAULT_MAX_SLOWDOWN:g}% step time.",
+        "When moving layers that hide (almost) for free fits where no offload does not, and costs less "
+        "than whole chunks.",
     ),
-    OffloadForm("budget:<fraction>", "budget:0.5", "That share of each offloaded chunk's layers."),
+    OffloadForm(
+        "budget:<fraction>",
+        "budget:0.5",
+        "That share of each offloaded chunk's layers.",
+        "Only when given (`pp-offload plan --offload`): a fixed share, not what hides.",
+    ),
     OffloadForm(
         "budget:auto:<max slowdown>",
         "budget:auto:0.1",
         "As many layers as fit within that step-time slowdown (0.1: 10%).",
+        "When the 3% budget does not free enough and a slower step within that slowdown is the fastest "
+        "candidate that fits.",
     ),
     OffloadForm(
         "budget:close-w",
         "budget:close-w",
         "`budget`, also on offload-aware orders: W passes moved right "
         "after their I where that lets more layers move (zero-bubble schedules).",
+        "On split-backward schedules, when pulling a W next to its I lets enough more layers move to fit.",
     ),
     OffloadForm(
-        "budget:auto:<max slowdown>:close-w", "budget:auto:0.1:close-w", "The same within that slowdown."
+        "budget:auto:<max slowdown>:close-w",
+        "budget:auto:0.1:close-w",
+        "The same within that slowdown.",
+        "Only when given: `budget:close-w` within a larger slowdown.",
     ),
     OffloadForm(
         "<any budget form>:sublayer",
         "budget:sublayer",
         "Units of half a layer (its attention part, then "
         "the rest) instead of whole layers, e.g. `budget:auto:0.1:sublayer`.",
+        "When a whole layer's copy outlasts the compute it could hide behind and half layers hide where "
+        "layers cannot (`schedule: auto` judges it where the probe measured the units).",
     ),
 )
 """Every string form `resolve_offload` reads, in one place: its error message lists them, and the recipe's
 config reference (`pp_offload.recipe.config_doc`) renders them as the table of offload policies."""
+
+
+def offload_examples() -> tuple[str, ...]:
+    """Every shape of policy `resolve_offload` reads, one string each: each form's example, and the
+    sub-layer modifier on every budget form (``budget:0.5:sublayer``, ``budget:close-w:sublayer``...).
+    Why: tests that walk the catalog (``--check`` on every policy and schedule) stay complete when a form
+    is added here."""
+    examples = [f.example for f in OFFLOAD_FORMS]
+    budget = [e for e in examples if e.startswith("budget") and _SUBLAYER not in e]
+    return tuple(dict.fromkeys(examples + [f"{e}:{_SUBLAYER}" for e in budget]))
 
 
 def _forms(*, budget: bool = False) -> str:
@@ -884,7 +928,11 @@ def _raise_peak_stages(attempt, best, setting, chunks, limit: float, max_tries: 
 
 def _unit_shares(unit_compute: Any, counts: list[int]) -> list[tuple[float, ...]]:
     """Per stage, each unit's share of the stage's passes (``unit_compute`` entries, else equal shares)."""
-    given = _per_stage(unit_compute, len(counts), "unit_compute", integer=False) if unit_compute else None
+    given = None
+    if unit_compute:  # a stage without units (no decoder layers: the LM head's) has None
+        entries = list(unit_compute.values()) if isinstance(unit_compute, Mapping) else list(unit_compute)
+        _per_stage([0.0 if e is None else e for e in entries], len(counts), "unit_compute", integer=False)
+        given = unit_compute
     out = []
     for s, n in enumerate(counts):
         entry = given[s] if given is not None else None

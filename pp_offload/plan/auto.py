@@ -67,6 +67,7 @@ from pp_offload.plan.evaluate import (
     simulation_sizes,
     stage_pass_costs,
 )
+from pp_offload.plan.handoff import policy_inputs
 from pp_offload.plan.memory import ChunkActivation, StateBytes
 from pp_offload.plan.orders import OURS, canonical_schedule, layout, microbatch_problem, resolve_search
 from pp_offload.plan.probe import (
@@ -311,7 +312,7 @@ def choose(
         memory_limit=best.memory_limit,
         costs=costs_for(measured[best.recompute], best.schedule, num_microbatches=m),
         stage_costs=[list(x) for x in picked.costs.stages or ()],
-        offload_inputs=picked.offload_inputs(resolve_offload(best.offload).granularity).to_dict()
+        offload_inputs=policy_inputs(picked, best.offload).to_dict()
         if resolve_offload(best.offload).enabled
         else None,
         predicted_step_s=float(best.predicted_step_s),

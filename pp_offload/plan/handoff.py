@@ -23,15 +23,28 @@ from pp_offload.plan.memory import check_recompute, precision
 from pp_offload.plan.model import model_spec
 from pp_offload.plan.orders import canonical_schedule
 
-__all__ = ["offload_inputs", "planner_setup"]
+__all__ = ["offload_inputs", "planner_setup", "policy_inputs"]
 
 
-def offload_inputs(model: Any, *, schedule: str, granularity: str = "layer", **setting: Any) -> OffloadInputs:
+def offload_inputs(model: Any, *, schedule: str, offload: Any = "budget", **setting: Any) -> OffloadInputs:
     """The planner's offload figures for ``schedule`` on ``model`` (anything `pp_offload.plan.model_spec`
     reads: a config, a dict, a path, a known name like ``"llama-3-8b"``), as `pp_offload.plan.plan`
-    evaluates that setting; ``setting``: the arguments of `planner_setup`. Costs are in seconds.
-    ``granularity``: the budget policy's offload unit (``"sublayer"``: half layers)."""
-    return planner_setup(model, schedule=schedule, **setting).offload_inputs(granularity)
+    evaluates that setting, for the offload policy ``offload`` (its units: `policy_inputs`);
+    ``setting``: the arguments of `planner_setup`. Costs are in seconds."""
+    return policy_inputs(planner_setup(model, schedule=schedule, **setting), offload)
+
+
+def policy_inputs(setup: Setup, offload: Any) -> OffloadInputs:
+    """``setup``'s offload figures counted in the units ``offload`` moves (whole layers, or half layers
+    for a ``:sublayer`` budget).
+
+    Why one function: the runtime refuses figures in other units than its policy's, and the figures reach
+    it by two roads, ``schedule: auto``'s decision (`pp_offload.plan.auto.choose`) and a hand-set budget
+    policy (`pp_offload.recipe.offload_figures`); both call this, so neither can count layers while the
+    policy moves sub-layer units."""
+    from pp_offload.order.offload import resolve_offload
+
+    return setup.offload_inputs(resolve_offload(offload).granularity)
 
 
 def planner_setup(

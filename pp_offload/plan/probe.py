@@ -411,11 +411,16 @@ def predicted_measurement(
     machine: Any = "H100",
     microbatch_size: int = 1,
     units: bool = True,
+    layers_per_stage: Sequence[int] | None = None,
+    recompute: str = "none",
 ) -> Measurement:
     """The `Measurement` a probe would return for ``model`` on ``machine`` as the planner predicts it:
     pass times from FLOPs, saved bytes per stage (V placement, 2 stages per rank), one copy per layer at
     the host link's rate, and (``units``) each layer's and sub-layer unit's bytes with the units' FLOP
-    shares. Why: `choose` judged on a GPU-sized model without a GPU (tests, benchmarks, what-ifs)."""
+    shares. Why: `choose` judged on a GPU-sized model without a GPU (tests, benchmarks, what-ifs, and
+    ``--check`` of ``schedule: auto``). ``layers_per_stage``: the split the probe pipeline is built with
+    (default: the planner's balanced one), so the figures the pick carries match the stages that run it;
+    ``recompute``: the plan the probe runs with (``train.activation_checkpointing`` when it is set)."""
     from pp_offload.plan.handoff import planner_setup
 
     setup = planner_setup(
@@ -426,6 +431,8 @@ def predicted_measurement(
         microbatch_size=microbatch_size,
         num_microbatches=num_microbatches,
         machine=machine,
+        layers_per_stage=layers_per_stage,
+        recompute=recompute,
     )
     stages = tuple(
         StageMeasurement(

@@ -57,9 +57,11 @@ from pp_offload.recipe.topology import Topology
 __all__ = [
     "AUTO",
     "choose_schedule",
+    "choose_within",
     "chosen_config",
     "is_auto",
     "machine_preset",
+    "probe_config",
     "recompute_candidates",
     "recompute_modes",
 ]
@@ -72,7 +74,7 @@ def is_auto(config: RecipeConfig) -> bool:
     return str(config.pipeline.schedule).lower() == AUTO
 
 
-def _probe_config(config: RecipeConfig) -> RecipeConfig:
+def probe_config(config: RecipeConfig) -> RecipeConfig:
     from pp_offload.plan.auto import PROBE_OFFLOAD, PROBE_SCHEDULE
 
     pipeline = dataclasses.replace(
@@ -143,6 +145,25 @@ def machine_preset(device: torch.device) -> str:
     return "H100"
 
 
+def choose_within(config: RecipeConfig, measurement: Any, options: list[Any]) -> Any:
+    """`pp_offload.plan.auto.choose` on ``measurement`` within the config's limits (``pipeline.memory_limit``,
+    ``pipeline.activation_budget_gib``), among its offload candidates and the recompute ``options``: the
+    ranks' choice on their probe's measurement, and ``--check``'s on the planner's
+    (`pp_offload.recipe.dry_build`)."""
+    from pp_offload.plan.auto import choose
+
+    spec = config.pipeline
+    budget = None if spec.activation_budget_gib is None else int(spec.activation_budget_gib * 2**30)
+    return choose(
+        measurement,
+        num_microbatches=spec.microbatches,
+        memory_limit=spec.memory_limit,
+        activation_budget_bytes=budget,
+        offload=spec.offload if isinstance(spec.offload, list) else None,
+        recompute=options,
+    )
+
+
 def choose_schedule(
     config: RecipeConfig,
     model: nn.Module,
@@ -161,7 +182,7 @@ def choose_schedule(
     continues (a new probe could choose otherwise, and the resumed run would differ from an uninterrupted
     one). A collective over every rank."""
     from pp_offload.models.lora import unwrap_peft
-    from pp_offload.plan.auto import AutoDecision, AutoError, choose, measure_step, unit_shares_for
+    from pp_offload.plan.auto import AutoDecision, AutoError, measure_step, unit_shares_for
 
     recorded = out / "auto.json"
     layout = {"pp": topo.pp, "dp": topo.dp}
@@ -181,7 +202,7 @@ def choose_schedule(
     spec = config.pipeline
     options = recompute_candidates(config, model, device)  # pure: the same on every rank
     rng = rng_state()
-    probe = build_pipeline(_probe_config(config), model, topo, device, mesh, shard=False)
+    probe = build_pipeline(probe_config(config), model, topo, device, mesh, shard=False)
     measurement = measure_step(
         probe.schedule,
         lambda: probe_step(probe),
@@ -197,16 +218,8 @@ def choose_schedule(
 
     message = [None]
     if topo.rank == 0:
-        budget = None if spec.activation_budget_gib is None else int(spec.activation_budget_gib * 2**30)
         try:
-            decision = choose(
-                measurement,
-                num_microbatches=spec.microbatches,
-                memory_limit=spec.memory_limit,
-                activation_budget_bytes=budget,
-                offload=spec.offload if isinstance(spec.offload, list) else None,
-                recompute=options,
-            )
+            decision = choose_within(config, measurement, options)
             message = [{"decision": decision.to_dict()}]
         except (AutoError, ValueError) as error:
             message = [{"error": str(error)}]

@@ -183,27 +183,55 @@ def render() -> str:
 def _forms_section() -> list[str]:
     """The value catalogs of ``pipeline.offload`` and ``train.activation_checkpointing``, from the tables
     the parsers themselves read (`pp_offload.order.offload.OFFLOAD_FORMS`,
-    `pp_offload.recompute_plan.RECOMPUTE_FORMS`), so a form the parser learns is listed here."""
-    from pp_offload.order.offload import OFFLOAD_FORMS
-    from pp_offload.recompute_plan import RECOMPUTE_FORMS
+    `pp_offload.recompute_plan.RECOMPUTE_FORMS`), so a form the parser learns is listed here, with which
+    picker tries it by default (`pp-offload plan`'s and `schedule: auto`'s own default lists) and when it
+    wins."""
+    from pp_offload.order.offload import OFFLOAD_FORMS, resolve_offload
+    from pp_offload.plan import auto, planner
+    from pp_offload.recompute_plan import RECOMPUTE_FORMS, parse_recompute
 
     parts = [
         "## Offload policies (`pipeline.offload`)\n",
         "Every value `pipeline.offload` takes with a named schedule (with `schedule: auto`, a list of them\n"
-        "is what auto may choose from). `pp-offload plan` compares them and prints the one to write.\n",
-        "| form | example | what it does |\n|---|---|---|",
+        "is what auto may choose from). `pp-offload plan` compares them and prints the one to write.\n"
+        '"Tried by default" names the pickers whose default candidates include it (`plan`:\n'
+        "`pp-offload plan`, `auto`: `schedule: auto`); either takes any form it is given (`--offload`,\n"
+        "a list in `pipeline.offload`).\n",
     ]
-    parts += [f"| `{f.form}` | `{f.example}` | {_markdown(f.meaning)} |" for f in OFFLOAD_FORMS]
+    parts += _form_rows(
+        OFFLOAD_FORMS, {"plan": planner.DEFAULT_OFFLOAD, "auto": auto.DEFAULT_OFFLOAD}, resolve_offload
+    )
     parts += [
         "",
         "## Recompute plans (`train.activation_checkpointing`)\n",
         "Every value `train.activation_checkpointing` takes besides `false` and `true`; modes, least\n"
-        "recompute first: `none`, `mlp`, `selective`, `full`.\n",
-        "| form | example | what it does |\n|---|---|---|",
+        "recompute first: `none`, `mlp`, `selective`, `full`. `schedule: auto` judges recompute only when\n"
+        "`train.activation_checkpointing` is unset.\n",
     ]
-    parts += [f"| `{f.form}` | `{f.example}` | {_markdown(f.meaning)} |" for f in RECOMPUTE_FORMS]
+    recompute = {
+        "plan": planner.DEFAULT_RECOMPUTE,
+        "auto": ("none", *auto.DEFAULT_RECOMPUTE),
+    }  # none: its base
+    parts += _form_rows(RECOMPUTE_FORMS, recompute, parse_recompute)
     parts.append("")
     return parts
+
+
+def _form_rows(forms: Any, pickers: dict[str, tuple[str, ...]], parse: Any) -> list[str]:
+    """The table of ``forms``: each form, its example, what it does, the pickers among ``pickers`` whose
+    default candidates hold the example (compared as parsed: ``selective`` is ``selective:0.5``), and when
+    the planner picks it."""
+    rows = ["| form | example | what it does | tried by default | when the planner picks it |"]
+    rows.append("|---|---|---|---|---|")
+    for f in forms:
+        found = [
+            name for name, defaults in pickers.items() if any(parse(f.example) == parse(d) for d in defaults)
+        ]
+        tried = ", ".join(f"`{name}`" for name in found) or "no"
+        rows.append(
+            f"| `{f.form}` | `{f.example}` | {_markdown(f.meaning)} | {tried} | {_markdown(f.picked)} |"
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,10 +4,11 @@ Why: under torchrun every rank checks the config, rank 0 prints the error, and t
 40-line failure report (a ``ChildFailedError`` traceback, the exit code of each rank) under it, because a
 rank exited non-zero. Everything that does not need the ranks (every key's type and range, the process
 count against ``pipeline.pp x pipeline.dp``, the schedule, layers against stages, the batch split, the
-model and tokenizer directories, the data's columns, a tokenizer to train) is checked here first, in the
-parent: a bad config ends in one line and exit code 2, and torchrun is never started. What it trains or
-downloads here (``model.tokenizer: train``, the embedded corpus, a hub dataset) lands in the caches the
-ranks then reuse.
+model and tokenizer directories, the data's columns, a tokenizer to train, and every pipeline rank's
+split, recompute wrappers, lowered order and offload plan, built on the meta device by
+`pp_offload.recipe.dry_build`) is checked here first, in the parent: a bad config ends in one line and exit
+code 2, and torchrun is never started. What it trains or downloads here (``model.tokenizer: train``, the
+embedded corpus, a hub dataset) lands in the caches the ranks then reuse.
 
     pp-offload train --nproc-per-node 4 --config my.yaml --dp 2
     pp-offload train --nproc-per-node 4 --config my.yaml --check     # check only, start nothing
@@ -158,6 +159,10 @@ def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | Non
             embedded = embedded_assets(embedded_dir(cache)).tokenizer_dir
         tokenizer = load_tokenizer(config, embedded, examples)
         check_config_model(config, tokenizer, pipelined=topo.distributed)
+        if topo.distributed:  # what the ranks build before step 1 (pp_offload.recipe.dry_build)
+            from pp_offload.recipe.dry_build import dry_build
+
+            print(dry_build(config, topo, tokenizer).summary(), flush=True)
         if config.data.has_eval:
             from pp_offload.data import DataError
 

@@ -14,7 +14,7 @@ from torch import nn
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.sources import missing_from_cache
 
-__all__ = ["check_config_model", "hf_config_of", "load_model", "num_layers_of", "packing_note"]
+__all__ = ["check_config_model", "hf_config_of", "load_model", "meta_model", "num_layers_of", "packing_note"]
 
 
 def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -> nn.Module:
@@ -96,21 +96,56 @@ def check_config_model(config: RecipeConfig, tokenizer: Any, *, pipelined: bool)
     cannot be pipelined, fail here as a configuration error instead of on every rank."""
     if config.model.config is None:
         return
-    from transformers.utils import logging as hf_logging
-
     from pp_offload.models.families import family_of
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # a trial build: its notes would come again from every rank
-    try:
-        with torch.device("meta"):
-            model = _config_model(
-                config, tokenizer, {"attn_implementation": config.model.attn_implementation}
-            )
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    model = _quietly(lambda: _meta_config_model(config, tokenizer))
     if pipelined:
         family_of(model)  # UnsupportedModelError: a configuration error
+
+
+def meta_model(config: RecipeConfig, tokenizer: Any) -> nn.Module:
+    """The run's model (``model.config``'s or ``model.path``'s, with its LoRA adapters) with every tensor on
+    the meta device: what ``--check`` splits and builds the pipeline from, without memory or weights."""
+
+    def build() -> nn.Module:
+        if config.model.config is not None:
+            return _meta_config_model(config, tokenizer)
+        from pp_offload.models.loading import empty_model
+
+        with missing_from_cache("model.path", str(config.model.path)):
+            return empty_model(
+                str(config.model.path),
+                attn_implementation=config.model.attn_implementation,
+                dtype=torch.float32,
+            )
+
+    model = _quietly(build)
+    if config.lora is not None:
+        with torch.device("meta"):
+            model = _with_lora(config, model)
+    return model
+
+
+def _meta_config_model(config: RecipeConfig, tokenizer: Any) -> nn.Module:
+    with torch.device("meta"):
+        return _config_model(
+            config,
+            tokenizer,
+            {"attn_implementation": config.model.attn_implementation, "dtype": torch.float32},
+        )
+
+
+def _quietly(build: Any) -> Any:
+    """``build()`` with transformers' notes silenced: a trial build's notes would come again from every
+    rank."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return build()
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def _config_model(config: RecipeConfig, tokenizer: Any, kwargs: dict[str, Any]) -> nn.Module:

@@ -52,6 +52,7 @@ def planner_offload_inputs(
             inputs = offload_inputs(
                 unwrap_peft(model).config,
                 schedule=schedule,
+                offload=spec.offload,
                 pp=pp,
                 seq_len=config.data.seq_len,
                 microbatch_size=per_microbatch,

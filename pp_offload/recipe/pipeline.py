@@ -19,7 +19,8 @@ from pp_offload.recipe.topology import Topology
 from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
 from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, unkeyed_dropout
 
-__all__ = ["Pipeline", "build_pipeline"]
+__all__ = ["Pipeline", "apply_recompute", "build_pipeline", "rank_schedule", "split_for_rank"]
+
 
 @dataclass
 class Pipeline:
@@ -113,26 +114,20 @@ def build_pipeline(
 
     ``offload_inputs``: the figures ``schedule: auto`` chose with (`pp_offload.order.offload_inputs`, or
     its ``to_dict``), so the offload plan is the predicted one; without them a budget policy gets the
-    planner's figures for this model and machine preset when it can (`pp_offload.recipe.offload_figures`)."""
+    planner's figures for this model and machine preset when it can (`pp_offload.recipe.offload_figures`).
+
+    The split, the recompute wrappers and the schedule (its order, offload plan and figures) are built by
+    `split_for_rank`, `apply_recompute` and `rank_schedule`, which ``--check`` calls on the meta device
+    with stand-in stages (`pp_offload.recipe.dry_build`): what passes the check is what the ranks build."""
     from torch.distributed.pipelining import PipelineStage
 
-    from pp_offload.parallel import activation_checkpointing, apply_fsdp, checkpointing_mode
-    from pp_offload.recipe.offload_figures import planner_offload_inputs
-    from pp_offload.runtime.offload import enable_offload
+    from pp_offload.parallel import apply_fsdp
 
     spec = config.pipeline
     info = schedule_info(spec.schedule)
-    per_rank = info.stages_per_rank(spec.stages_per_rank)
-    num_stages = topo.pp * per_rank
-    offload = spec.offload not in (None, "none")
+    num_stages = topo.pp * info.stages_per_rank(spec.stages_per_rank)
     model.train()
-    split = split_model(
-        model,
-        num_stages=num_stages,
-        stage_indices=stage_indices(topo.pp_rank, topo.pp, info.placement, per_rank),
-        layers_per_stage=spec.layers_per_stage,
-        verify=config.model.verify_split,
-    )
+    split = split_for_rank(config, model, info, pp=topo.pp, pp_rank=topo.pp_rank)
     if any(p.is_meta for p in split.module.parameters()):  # a skeleton from load_model(partial=True)
         from pp_offload.models.loading import load_split_weights
         from pp_offload.models.lora import init_adapters, unwrap_peft
@@ -141,9 +136,7 @@ def build_pipeline(
         if config.lora is not None:
             init_adapters(split.module, seed=config.train.seed)
     split.module.to(device)
-    recompute = checkpointing_mode(config.train.activation_checkpointing)
-    if recompute is not None:
-        activation_checkpointing(split, mode=recompute)
+    apply_recompute(config, split)
     sharded = None
     if topo.dp > 1 and shard:
         sharded = apply_fsdp(
@@ -157,33 +150,19 @@ def build_pipeline(
     loss_fn = TokenCrossEntropy()
     if split.router_aux is not None:  # each of the step's microbatches (all replicas) adds coef x aux / count
         loss_fn.router_aux_weight = split.router_aux.coef / (spec.microbatches * topo.dp)
-    if offload and offload_inputs is None:
-        offload_inputs = planner_offload_inputs(
-            config,
-            model,
-            schedule=info.name,
-            stages_per_rank=per_rank,
-            pp=topo.pp,
-            dp=topo.dp,
-            layers_per_stage=list(split.layers_per_stage),
-            device=device,
-            log=topo.rank == 0,
-        )
-    figures: dict[str, Any] = {"costs": spec.costs}
-    if offload and offload_inputs is not None:
-        figures = {"inputs": offload_inputs}
-    kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
-    if info.module == "pp_offload.runtime.schedules":
-        kwargs["costs"] = spec.costs  # None with inputs: the order is built from their scalar costs
-        if spec.memory_limit is not None:
-            kwargs["memory_limit"] = spec.memory_limit
-        if offload:
-            kwargs["offload"] = spec.offload
-            if "inputs" in figures:
-                kwargs["offload_inputs"] = figures["inputs"]
-    schedule = build_schedule(info, stages, spec.microbatches, **kwargs)
-    if info.module != "pp_offload.runtime.schedules" and offload:
-        enable_offload(schedule, spec.offload, **figures, device=device)
+    schedule = rank_schedule(
+        config,
+        model,
+        info,
+        split,
+        stages,
+        loss_fn,
+        pp=topo.pp,
+        dp=topo.dp,
+        device=device,
+        offload_inputs=offload_inputs,
+        log=topo.rank == 0,
+    )
     if sharded is not None:
         sharded.attach(schedule)
     dropout = key_pipeline_dropout(
@@ -203,3 +182,81 @@ def build_pipeline(
         sharded=sharded,
         dropout=dropout,
     )
+
+
+def split_for_rank(
+    config: RecipeConfig, model: nn.Module, info: ScheduleInfo, *, pp: int, pp_rank: int, verify: bool = True
+) -> ModelSplit:
+    """The stages pipeline rank ``pp_rank`` of ``pp`` holds under ``info``'s placement, split as the config
+    asks (``pipeline.layers_per_stage``; ``model.verify_split`` unless ``verify`` is off)."""
+    spec = config.pipeline
+    per_rank = info.stages_per_rank(spec.stages_per_rank)
+    return split_model(
+        model,
+        num_stages=pp * per_rank,
+        stage_indices=stage_indices(pp_rank, pp, info.placement, per_rank),
+        layers_per_stage=spec.layers_per_stage,
+        verify=verify and config.model.verify_split,
+    )
+
+
+def apply_recompute(config: RecipeConfig, split: ModelSplit) -> int:
+    """Wrap the split's decoder layers in ``train.activation_checkpointing``'s recompute plan; returns how
+    many layers it wrapped (0: no recompute)."""
+    from pp_offload.parallel import activation_checkpointing, checkpointing_mode
+
+    recompute = checkpointing_mode(config.train.activation_checkpointing)
+    return 0 if recompute is None else activation_checkpointing(split, mode=recompute)
+
+
+def rank_schedule(
+    config: RecipeConfig,
+    model: nn.Module,
+    info: ScheduleInfo,
+    split: ModelSplit,
+    stages: list[Any],
+    loss_fn: Any,
+    *,
+    pp: int,
+    dp: int,
+    device: torch.device,
+    offload_inputs: Any = None,
+    log: bool = False,
+) -> Any:
+    """The schedule of this rank's ``stages``: its order lowered by torch, with the offload policy's plan
+    (made from ``offload_inputs``, else from the planner's figures for a budget policy,
+    `pp_offload.recipe.offload_figures.planner_offload_inputs`) and its OFFLOAD/RELOAD actions in it."""
+    from pp_offload.recipe.offload_figures import planner_offload_inputs
+    from pp_offload.runtime.offload import enable_offload
+
+    spec = config.pipeline
+    per_rank = info.stages_per_rank(spec.stages_per_rank)
+    offload = spec.offload not in (None, "none")
+    if offload and offload_inputs is None:
+        offload_inputs = planner_offload_inputs(
+            config,
+            model,
+            schedule=info.name,
+            stages_per_rank=per_rank,
+            pp=pp,
+            dp=dp,
+            layers_per_stage=list(split.layers_per_stage),
+            device=device,
+            log=log,
+        )
+    figures: dict[str, Any] = {"costs": spec.costs}
+    if offload and offload_inputs is not None:
+        figures = {"inputs": offload_inputs}
+    kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+    if info.module == "pp_offload.runtime.schedules":
+        kwargs["costs"] = spec.costs  # None with inputs: the order is built from their scalar costs
+        if spec.memory_limit is not None:
+            kwargs["memory_limit"] = spec.memory_limit
+        if offload:
+            kwargs["offload"] = spec.offload
+            if "inputs" in figures:
+                kwargs["offload_inputs"] = figures["inputs"]
+    schedule = build_schedule(info, stages, spec.microbatches, **kwargs)
+    if info.module != "pp_offload.runtime.schedules" and offload:
+        enable_offload(schedule, spec.offload, **figures, device=device)
+    return schedule
