@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import string
 from dataclasses import dataclass
+from typing import Any
 
 from pp_offload.data.errors import DataError
 
@@ -188,3 +189,19 @@ class DataConfig:
         if self.prompt_column is not None and self.response_column is not None:
             return (self.prompt_column, self.response_column, *self.template_columns)
         return (self.text_column,)
+
+
+def require_columns(dataset: Any, config: DataConfig) -> None:
+    """Raise a `DataError` naming the first missing column and the columns the dataset does have."""
+    for column in config.columns:
+        if column not in dataset.column_names:
+            if column in config.template_columns:  # checked after the prompt and response columns
+                raise DataError(
+                    f"prompt_template names column {column!r}, not found in dataset {config.path!r} (split "
+                    f"{config.split!r}); its columns are {dataset.column_names} ({{prompt}} is prompt_column)"
+                )
+            role = "text_column" if not config.is_sft else "prompt_column/response_column"
+            raise DataError(
+                f"column {column!r} not found in dataset {config.path!r} (split {config.split!r}); "
+                f"its columns are {dataset.column_names}: set {role} to one of them"
+            )

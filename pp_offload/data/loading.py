@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pp_offload.data.config import DataConfig
+from pp_offload.data.config import DataConfig, require_columns
 from pp_offload.data.embedded import embedded_assets, embedded_dir
 from pp_offload.data.errors import DataError
 from pp_offload.hub import endpoint as _endpoint
@@ -21,6 +21,8 @@ from pp_offload.hub import hub_reachable as _hub_reachable
 
 if TYPE_CHECKING:
     import datasets
+
+__all__ = ["BUILDERS", "SUFFIX_BUILDERS", "load_examples", "require_columns"]
 
 #: `datasets` packaged builders a config may name directly (with ``data_files``).
 BUILDERS = ("text", "json", "parquet", "csv")
@@ -71,22 +73,6 @@ def load_examples(config: DataConfig, *, cache_dir: str | os.PathLike | None = N
     if config.max_examples is not None and config.max_examples < len(dataset):
         dataset = dataset.select(range(config.max_examples))
     return dataset
-
-
-def require_columns(dataset: datasets.Dataset, config: DataConfig) -> None:
-    """Raise a `DataError` naming the first missing column and the columns the dataset does have."""
-    for column in config.columns:
-        if column not in dataset.column_names:
-            if column in config.template_columns:  # checked after the prompt and response columns
-                raise DataError(
-                    f"prompt_template names column {column!r}, not found in dataset {config.path!r} (split "
-                    f"{config.split!r}); its columns are {dataset.column_names} ({{prompt}} is prompt_column)"
-                )
-            role = "text_column" if not config.is_sft else "prompt_column/response_column"
-            raise DataError(
-                f"column {column!r} not found in dataset {config.path!r} (split {config.split!r}); "
-                f"its columns are {dataset.column_names}: set {role} to one of them"
-            )
 
 
 def _builder_for(file: Path) -> str:

@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pp_offload.data.config import PROMPT_FIELD, DataConfig
+from pp_offload.data.config import PROMPT_FIELD, DataConfig, require_columns
 from pp_offload.data.errors import DataError
-from pp_offload.data.loading import require_columns
 
 if TYPE_CHECKING:
     import datasets
