@@ -19,3 +19,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def quiet_datasets():
+    """No `datasets` progress bars in the module's tests (restored after): test output stays readable."""
+    import datasets
+
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    yield
+    if not was_disabled:
+        datasets.enable_progress_bars()

@@ -60,6 +60,11 @@ class DataConfig:
         eval_path: Held-out examples from another source (same forms as ``path``, same columns and
             formatting).
         eval_max_examples: Read at most this many held-out examples.
+        cache_dir: Root of the data caches (tokenized and packed blocks, the `datasets` cache, the
+            embedded corpus); ``null``: the shared defaults (``$HF_DATASETS_CACHE/pp_offload``, by default
+            under ``~/.cache/huggingface``), so every run on the machine reuses one preparation.
+        num_proc: Processes tokenizing the data when it is prepared; ``null``: one per 50,000 rows, at most
+            the CPU count.
     """
 
     path: str = "embedded"
@@ -76,6 +81,8 @@ class DataConfig:
     eval_split: str | None = None
     eval_path: str | None = None
     eval_max_examples: int | None = None
+    cache_dir: str | None = None
+    num_proc: int | None = None
 
     def __post_init__(self) -> None:
         # Fail at recipe-parsing time, not after minutes of tokenization.
@@ -104,6 +111,8 @@ class DataConfig:
             raise DataError(f"max_examples must be >= 1 or None, got {self.max_examples}")
         if self.eval_max_examples is not None and self.eval_max_examples < 1:
             raise DataError(f"eval_max_examples must be >= 1 or None, got {self.eval_max_examples}")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise DataError(f"num_proc must be >= 1 or None, got {self.num_proc}")
         if self.eval_path is None and self.eval_split is not None and self.eval_split == self.split:
             raise DataError(
                 f"eval_split={self.eval_split!r} is the training split: evaluation would score the training "

@@ -22,7 +22,7 @@ from pp_offload.hub import hub_reachable as _hub_reachable
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["BUILDERS", "SUFFIX_BUILDERS", "load_examples", "require_columns"]
+__all__ = ["BUILDERS", "SUFFIX_BUILDERS", "load_examples", "require_columns", "source_files"]
 
 #: `datasets` packaged builders a config may name directly (with ``data_files``).
 BUILDERS = ("text", "json", "parquet", "csv")
@@ -73,6 +73,22 @@ def load_examples(config: DataConfig, *, cache_dir: str | os.PathLike | None = N
     if config.max_examples is not None and config.max_examples < len(dataset):
         dataset = dataset.select(range(config.max_examples))
     return dataset
+
+
+def source_files(config: DataConfig, *, cache_dir: str | os.PathLike | None = None) -> list[Path] | None:
+    """The local files `load_examples` would read for ``config`` (a directory: all its files), or None for a
+    hub dataset. Their paths, sizes and modification times identify the data without reading it."""
+    path = config.path
+    local = Path(path).expanduser()
+    if path == "embedded":
+        return [Path(f) for f in embedded_assets(embedded_dir(cache_dir)).splits.values()]
+    if path in BUILDERS:
+        return _files(config.data_files)
+    if local.is_file():
+        return [local]
+    if local.is_dir():
+        return _files(str(local))  # every file, whichever data_files picks: a superset identifies it too
+    return None
 
 
 def _builder_for(file: Path) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from pathlib import Path
 
 from pp_offload.recipe import cli
 from pp_offload.recipe.config import ConfigError, RecipeConfig
@@ -47,13 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli.add_recipe_arguments(parser)
 
 
-def check_before_launch(config: RecipeConfig, world: int) -> None:
-    """Every check of a run on ``world`` processes that needs no process group, as rank 0 would make it.
+def check_before_launch(config: RecipeConfig, world: int, *, check_only: bool = True) -> None:
+    """Every check of a run on ``world`` processes that needs no process group, as rank 0 would make it;
+    unless ``check_only``, also the data's preparation (`pp_offload.data.prepared`), so no rank waits for it.
 
     Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`)."""
     from pp_offload.data import embedded_assets, embedded_dir, load_examples
     from pp_offload.recipe.model_loading import check_config_model, num_layers_of
     from pp_offload.recipe.preflight import preflight
+    from pp_offload.recipe.run_data import data_cache, prepare_data
     from pp_offload.recipe.sources import check_model_sources, load_tokenizer
     from pp_offload.recipe.topology import topology
     from pp_offload.recipe.train import _check
@@ -82,20 +83,23 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
     quiet = datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # the error, if any, is the one line on stderr
     try:
-        cache = (
-            Path(config.output.dir) / "cache"
-        )  # the ranks' cache (train.run): what is built here is reused
+        cache = data_cache(config)  # the ranks' cache (train.run): what is prepared here is reused
         examples = load_examples(config.data, cache_dir=cache)
         embedded = None
         if config.data.path == "embedded":
             embedded = embedded_assets(embedded_dir(cache)).tokenizer_dir
         tokenizer = load_tokenizer(config, embedded, examples)
         check_config_model(config, tokenizer, pipelined=topo.distributed)
+        if not check_only:  # tokenize and pack once, before the ranks start: they memory-map the result
+            prepare_data(config, config.data, tokenizer, cache, examples)
         if config.data.has_eval:
             from pp_offload.data import DataError
 
             try:
-                load_examples(config.data.eval_config(), cache_dir=cache)
+                eval_data = config.data.eval_config()
+                load_examples(eval_data, cache_dir=cache)
+                if not check_only:
+                    prepare_data(config, eval_data, tokenizer, cache)
             except DataError as error:
                 raise ConfigError(f"evaluation data (data.eval_split / data.eval_path): {error}") from error
     finally:
@@ -106,7 +110,7 @@ def check_before_launch(config: RecipeConfig, world: int) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     try:
         config = cli.config_from_args(args)
-        check_before_launch(config, args.nproc_per_node)
+        check_before_launch(config, args.nproc_per_node, check_only=args.check)
     except cli.CONFIGURATION_ERRORS as error:
         cli.report_configuration_error(error, "0")
         return 2

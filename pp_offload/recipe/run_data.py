@@ -1,0 +1,123 @@
+"""The data of a recipe run: tokenizer, training batches and held-out batches, prepared once per machine.
+
+Kept apart from the training loop (`pp_offload.recipe.train`) so the launcher can prepare the same cache
+entry before any rank starts (`prepare_data`), and the loop only reads batches.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pp_offload.data import (
+    DataConfig,
+    DataError,
+    PackedBatches,
+    embedded_assets,
+    embedded_dir,
+    load_examples,
+)
+from pp_offload.data.prepared import Prepared, prepare
+from pp_offload.recipe.config import ConfigError, RecipeConfig
+from pp_offload.recipe.sources import TRAIN_TOKENIZER, load_tokenizer
+from pp_offload.recipe.topology import Topology
+
+__all__ = ["RunData", "data_cache", "prepare_data", "run_data"]
+
+
+def data_cache(config: RecipeConfig, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The root of the run's data caches: ``cache_dir`` (`pp_offload.recipe.train.run`'s argument), else
+    ``data.cache_dir``, else None: the shared defaults (the Hugging Face datasets cache for datasets and
+    prepared blocks, ``~/.cache/pp_offload`` for the embedded corpus), so a new output directory reuses
+    what an earlier run prepared."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(config.data.cache_dir).expanduser() if config.data.cache_dir else None
+
+
+@dataclass
+class RunData:
+    """What every rank trains and evaluates on."""
+
+    tokenizer: Any
+    batches: PackedBatches
+    eval_batches: list[dict[str, torch.Tensor]] | None
+
+
+def run_data(config: RecipeConfig, topo: Topology, cache: Path | None) -> RunData:
+    """Tokenizer, training batches and the held-out batches. Local rank 0 prepares the packed blocks once per
+    machine (unless the launcher or an earlier run did: `pp_offload.data.prepared`); every rank memory-maps
+    them and reads only its own batches."""
+    data: DataConfig = config.data
+    if topo.rank != 0:  # one progress bar per job, not one per rank
+        import datasets
+
+        datasets.disable_progress_bars()
+    tokenizer_dir = None
+    if data.path == "embedded":
+        tokenizer_dir = embedded_assets(embedded_dir(cache)).tokenizer_dir
+    examples = None
+    if config.model.tokenizer == TRAIN_TOKENIZER:  # model.tokenizer: train learns the examples
+        examples = load_examples(data, cache_dir=cache)
+    tokenizer = load_tokenizer(config, tokenizer_dir, examples)
+    prepared = prepare_data(config, data, tokenizer, cache, examples, preparer=topo.local_rank == 0)
+    if topo.rank == 0 and (note := prepared.note()):
+        print(f"data: {note}", flush=True)
+    batches = PackedBatches(
+        prepared.blocks,
+        config.train.global_batch_size,
+        dp_rank=topo.dp_rank,
+        dp_size=topo.dp,
+        seed=config.train.seed,
+    )
+    held_out = None
+    if data.has_eval:
+        held_out = _eval_batches(config, topo, tokenizer, cache)
+    return RunData(tokenizer, batches, held_out)
+
+
+def prepare_data(
+    config: RecipeConfig,
+    data: DataConfig,
+    tokenizer: Any,
+    cache: Path | None,
+    examples: Any = None,
+    *,
+    preparer: bool = True,
+) -> Prepared:
+    """The packed blocks of ``data`` (the training data or `DataConfig.eval_config`), prepared here if
+    ``preparer`` and not cached yet, else waited for (``train.timeout_s``). ``examples``: the raw examples
+    when already loaded."""
+    return prepare(
+        data,
+        tokenizer,
+        (lambda: examples) if examples is not None else (lambda: load_examples(data, cache_dir=cache)),
+        cache_dir=cache,
+        preparer=preparer,
+        timeout_s=config.train.timeout_s,
+        num_proc=data.num_proc,
+        datasets_cache=cache,
+    )
+
+
+def _eval_batches(
+    config: RecipeConfig, topo: Topology, tokenizer: Any, cache: Path | None
+) -> list[dict[str, Any]]:
+    """The first ``train.eval_batches`` global batches of the held-out blocks (all of them by default),
+    in a fixed order, each data-parallel rank its slice: every evaluation scores the same tokens."""
+    eval_data = config.data.eval_config()
+    try:
+        prepared = prepare_data(config, eval_data, tokenizer, cache, preparer=topo.local_rank == 0)
+        held_out = PackedBatches(
+            prepared.blocks, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=0
+        )
+    except DataError as error:
+        raise ConfigError(f"evaluation data (data.eval_split / data.eval_path): {error}") from error
+    count = len(held_out)
+    if config.train.eval_batches is not None:
+        count = min(count, config.train.eval_batches)
+    return [held_out.batch(i) for i in range(count)]
