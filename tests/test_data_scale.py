@@ -181,3 +181,14 @@ def test_null_and_empty_rows_are_counted_once(tmp_path: Path) -> None:
         plain, _tokenizer(), lambda: load_examples(plain, cache_dir=tmp_path), cache_dir=tmp_path
     )
     assert prepared.note() == "skipped 10 of 20 rows: empty or null text"
+
+
+def test_fast_encoding_gives_the_tokenizers_own_ids() -> None:
+    from pp_offload.data.packing import _encode
+    from pp_offload.data.tokenizer import train_tokenizer
+
+    texts = ["héllo wörld  twice", "", "tabs\tand\nnewlines", "<|endoftext|> inside", "emoji 🙂 ok"] * 3
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    assert _encode(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
+    tokenizer.backend_tokenizer.enable_truncation(3)  # a backend that truncates: the tokenizer's own call
+    assert _encode(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]

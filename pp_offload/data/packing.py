@@ -228,17 +228,30 @@ def _chat(tokenizer: Any, prompt: str, response: str) -> tuple[str, str]:
     return head, full[len(head) :]
 
 
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens. A fast tokenizer's Rust backend is called directly (the
+    ids `tokenizer(texts)` gives, without the per-text Python conversion or the offsets it would compute:
+    about twice the speed), unless the backend itself truncates or pads."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers >= 0.21: no offsets
+        return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+
+
 def _tokenize(batch: dict[str, list], tokenizer: Any, config: DataConfig, eos: int) -> dict[str, list]:
     """Each example's token ids (prompt + response + eos), how many are prompt tokens, and its skip code."""
 
-    def encode(texts: list[str]) -> list[list[int]]:
-        return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
-
     prompts, responses = _texts(batch, config, tokenizer)
     kept = [i for i, prompt in enumerate(prompts) if prompt is not None]
-    # Tokenized apart so the prompt/response boundary falls exactly between two tokens.
-    prompt_ids = encode([prompts[i] or "" for i in kept]) if config.is_sft else [[] for _ in kept]
-    response_ids = encode([responses[i] for i in kept])
+    # Tokenized apart so the prompt/response boundary falls exactly between two tokens (in one call).
+    if config.is_sft:
+        ids = _encode(tokenizer, [prompts[i] or "" for i in kept] + [responses[i] for i in kept])
+        prompt_ids, response_ids = ids[: len(kept)], ids[len(kept) :]
+    else:
+        prompt_ids, response_ids = [[] for _ in kept], _encode(tokenizer, [responses[i] for i in kept])
     code = 2 if config.is_sft else 1
     out: dict[str, list] = {
         "ids": [[] for _ in prompts],

@@ -107,13 +107,36 @@ def check_before_launch(config: RecipeConfig, world: int, *, check_only: bool = 
             datasets.enable_progress_bars()
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace) -> int:
+    """0 when the config passes `check_before_launch` (and the data is prepared, unless ``--check``), else
+    2 after printing the one-line error."""
     try:
         config = cli.config_from_args(args)
         check_before_launch(config, args.nproc_per_node, check_only=args.check)
     except cli.CONFIGURATION_ERRORS as error:
         cli.report_configuration_error(error, "0")
         return 2
+    return 0
+
+
+def _check_in_child(args: argparse.Namespace) -> int:
+    """`_check` in a forked child: the checks and the data's preparation import datasets and transformers
+    and build tokenizers and tables, hundreds of MB this launcher would otherwise hold while the ranks
+    train. The child's exit code is `_check`'s (1 with a traceback for an unexpected error)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(_check(args)), daemon=True)
+    child.start()
+    child.join()
+    code = child.exitcode if child.exitcode is not None else 1
+    return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + signal number
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    launch = args.nproc_per_node > 1 and not args.check
+    code = _check_in_child(args) if launch else _check(args)
+    if code:
+        return code
     if args.check:
         print(f"finetune: configuration ok for {args.nproc_per_node} process(es)")
         return 0

@@ -1,0 +1,233 @@
+"""Data at scale: preparation speed, memory per rank and of the launcher, time to the first step (cold, warm).
+
+For each row count, generated supervised fine-tuning rows of about 100 bytes (a prompt and a response of
+random words) are written as JSON Lines, then:
+
+- preparation: `pp_offload.data.prepared.prepare` in a fresh process with an already-trained tokenizer (the
+  embedded corpus's byte-level BPE) into an empty cache: seconds, rows/s and that process's peak RSS;
+- a cold run: ``pp-offload train --nproc-per-node 2`` (a tiny Llama, 2 pipeline ranks on CPU, a few steps)
+  with an empty ``data.cache_dir``: time from the launch to the first step's log line, each rank's peak RSS
+  (VmHWM) and the launcher's RSS while the ranks train (sampled);
+- a warm run: the same data and cache, a new output directory.
+
+    python bench/bench_data.py                       # 10k, 100k and 1M rows
+    python bench/bench_data.py --rows 10000 --steps 2
+
+Writes bench/results/data.json (or --out) and prints a table (the one in docs/data.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = (
+    "the a model pipeline stage rank learns loss falls data token shard offload memory host device batch "
+    "step schedule gradient layer weight optimizer checkpoint resume tokenizer block stream cache"
+).split()
+
+PREPARE = """
+import json, resource, sys, time
+from pp_offload.data import DataConfig, load_examples
+from pp_offload.data.prepared import prepare
+from transformers import AutoTokenizer
+file, tokenizer, cache = sys.argv[1:4]
+config = DataConfig(path=file, prompt_column="prompt", response_column="response", seq_len=128)
+tok = AutoTokenizer.from_pretrained(tokenizer)
+start = time.perf_counter()
+prepared = prepare(config, tok, lambda: load_examples(config, cache_dir=cache), cache_dir=cache)
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+print(json.dumps({"seconds": seconds, "blocks": len(prepared.blocks), "rows": prepared.info["rows"],
+                  "num_proc": prepared.info["num_proc"], "peak_rss_mib": peak,
+                  "peak_rss_workers_mib": children}))
+"""
+
+
+def write_rows(path: Path, rows: int, seed: int = 0) -> int:
+    """``rows`` JSON lines of about 100 bytes each; returns the file's size."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(rows):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(5))
+            response = " ".join(rng.choice(WORDS) for _ in range(6))
+            f.write(json.dumps({"prompt": f"{i}: {prompt}?", "response": response}) + "\n")
+    return path.stat().st_size
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def prepare_once(file: Path, tokenizer: Path, cache: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", PREPARE, str(file), str(tokenizer), str(cache)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _status(pid: int, key: str) -> float | None:
+    """A /proc/<pid>/status memory line (VmRSS, VmHWM) in MiB, or None once the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def train_once(file: Path, tokenizer: Path, cache: Path, out: Path, steps: int) -> dict:
+    """One ``pp-offload train`` run: time to the first step, the ranks' peak RSS, the launcher's RSS while
+    they train."""
+    sets = {
+        "model.tokenizer": str(tokenizer),
+        "model.config.num_hidden_layers": "4",
+        "model.config.hidden_size": "64",
+        "model.config.intermediate_size": "128",
+        "data.path": str(file),
+        "data.prompt_column": "prompt",
+        "data.response_column": "response",
+        "data.eval_split": "null",
+        "data.cache_dir": str(cache),
+        "train.steps": str(steps),
+        "train.eval_every": "0",
+        "train.warmup_steps": "0",
+        "output.dir": str(out),
+        "output.save_every": "0",
+        "output.export": "false",
+        "output.log_every": "1",
+    }
+    command = [sys.executable, "-m", "pp_offload", "train", "--nproc-per-node", "2", "--no-progress"]
+    command += ["--config", str(ROOT / "recipes" / "configs" / "tiny_llama.yaml")]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={value}"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first_step: list[float] = []
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if not first_step and line.startswith("step 1/"):
+                first_step.append(time.perf_counter() - start)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    ranks: dict[int, float] = {}
+    launcher_training: list[float] = []
+    while proc.poll() is None:
+        workers = []
+        for child in _children(proc.pid):
+            workers += [g for g in _children(child) if "pp_offload.recipe" in _cmdline(g)]
+        for pid in workers:
+            peak = _status(pid, "VmHWM")
+            if peak is not None:
+                ranks[pid] = max(ranks.get(pid, 0.0), peak)
+        if workers and (rss := _status(proc.pid, "VmRSS")) is not None:
+            launcher_training.append(rss)
+        time.sleep(0.05)
+    reader.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"pp-offload train failed ({proc.returncode}):\n{''.join(lines[-30:])}")
+    return {
+        "first_step_s": first_step[0] if first_step else None,
+        "total_s": time.perf_counter() - start,
+        "rank_peak_rss_mib": sorted(ranks.values()),
+        "launcher_rss_training_mib": max(launcher_training) if launcher_training else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--no-train", action="store_true", help="preparation only")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "data.json")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from pp_offload.data import embedded_assets, embedded_dir
+
+    tokenizer = embedded_assets(embedded_dir()).tokenizer_dir
+    results = []
+    work = Path(tempfile.mkdtemp(prefix="bench_data-"))
+    try:
+        for rows in args.rows:
+            file = work / f"rows-{rows}.jsonl"
+            size = write_rows(file, rows)
+            prep = prepare_once(file, tokenizer, work / f"prep-cache-{rows}")
+            entry = {"rows": rows, "bytes": size, "prepare": prep, "rows_per_s": rows / prep["seconds"]}
+            if not args.no_train:
+                cache = work / f"cache-{rows}"
+                entry["cold"] = train_once(file, tokenizer, cache, work / f"cold-{rows}", args.steps)
+                entry["warm"] = train_once(file, tokenizer, cache, work / f"warm-{rows}", args.steps)
+            results.append(entry)
+            print(json.dumps(entry), file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"cpus": os.cpu_count(), "results": results}, indent=2) + "\n")
+    print(table(results))
+    return 0
+
+
+def table(results: list[dict]) -> str:
+    def mib(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.0f}"
+
+    def secs(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [
+        "| rows | prepare s | rows/s | prepare peak MiB | rank peak MiB (cold / warm) | launcher MiB while "
+        "training | first step s cold | first step s warm |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        cold, warm = r.get("cold", {}), r.get("warm", {})
+        ranks = "/".join(mib(max(x["rank_peak_rss_mib"], default=None)) for x in (cold, warm) if x)
+        lines.append(
+            f"| {r['rows']:,} | {r['prepare']['seconds']:.1f} | {r['rows_per_s']:,.0f} | "
+            f"{mib(r['prepare']['peak_rss_mib'])} | {ranks or '-'} | "
+            f"{mib(cold.get('launcher_rss_training_mib'))} | {secs(cold.get('first_step_s'))} | "
+            f"{secs(warm.get('first_step_s'))} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
