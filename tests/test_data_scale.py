@@ -192,3 +192,33 @@ def test_fast_encoding_gives_the_tokenizers_own_ids() -> None:
     assert _encode(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
     tokenizer.backend_tokenizer.enable_truncation(3)  # a backend that truncates: the tokenizer's own call
     assert _encode(tokenizer, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def test_trained_tokenizer_is_shared_by_runs_on_the_same_data(tmp_path: Path, monkeypatch) -> None:
+    from pp_offload.data import tokenizer as tokenizer_module
+    from pp_offload.data.prepared import data_identity, data_key
+
+    config = DataConfig(path=str(_sft_file(tmp_path / "sft.jsonl")), prompt_column="q", response_column="r")
+    key = data_key(data_identity(config))
+    loads = []
+
+    def examples() -> datasets.Dataset:
+        loads.append(1)
+        return load_examples(config, cache_dir=tmp_path)
+
+    first = tokenizer_module.trained_tokenizer(
+        examples, config, tmp_path / "run1", vocab_size=300, data_key=key, cache_dir=tmp_path / "cache"
+    )
+    assert loads == [1]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", no_training)
+    second = tokenizer_module.trained_tokenizer(
+        examples, config, tmp_path / "run2", vocab_size=300, data_key=key, cache_dir=tmp_path / "cache"
+    )
+    assert loads == [1] and second.get_vocab() == first.get_vocab()  # copied: no load, no training
+    assert (tmp_path / "run2" / "tokenizer" / "trained_on.json").is_file()
+    _sft_file(tmp_path / "sft.jsonl", seed=3)  # other data: another key, so another tokenizer
+    assert data_key(data_identity(config)) != key

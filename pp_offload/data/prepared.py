@@ -43,7 +43,16 @@ from pp_offload.fsutil import publish_once
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["FORMAT_VERSION", "Prepared", "data_cache_root", "identity", "prepare"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Prepared",
+    "data_cache_root",
+    "data_identity",
+    "data_key",
+    "identity",
+    "prepare",
+    "tokenizer_fingerprint",
+]
 
 #: Bump when the packed format or the packing rules change: entries of another version are not reused.
 FORMAT_VERSION = 1
@@ -79,15 +88,15 @@ class Prepared:
         return counts.note()
 
 
-def identity(
+def data_identity(
     config: DataConfig,
-    tokenizer: Any,
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     examples: Callable[[], datasets.Dataset] | None = None,
 ) -> dict[str, Any]:
-    """Everything that decides the prepared blocks' content (see the module docstring). ``examples``
-    loads the raw examples; it is called only for a hub dataset, whose fingerprint `datasets` knows."""
+    """What identifies the texts of ``config`` without reading them: the data files' paths, sizes and
+    modification times (a hub dataset: its `datasets` fingerprint, for which ``examples`` loads it), and
+    the split, columns, template and ``max_examples``. ``cache_dir``: `load_examples`' root."""
     files = source_files(config, cache_dir=cache_dir)
     if files is not None:
         missing = [str(f) for f in files if not f.is_file()]
@@ -103,10 +112,29 @@ def identity(
             raise DataError(f"dataset {config.path!r} has no datasets fingerprint to key its cache by")
     fields = ("path", "name", "split", "text_column", "prompt_column", "response_column", "prompt_template")
     return {
-        "format": FORMAT_VERSION,
         "data": data,
         "config": {name: getattr(config, name) for name in fields}
         | {"chat_template": config.chat_template, "max_examples": config.max_examples},
+    }
+
+
+def data_key(identity: dict[str, Any]) -> str:
+    """A short hash of an identity (`data_identity`, `identity`): names cache entries."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def identity(
+    config: DataConfig,
+    tokenizer: Any,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    examples: Callable[[], datasets.Dataset] | None = None,
+) -> dict[str, Any]:
+    """Everything that decides the prepared blocks' content (see the module docstring): `data_identity`,
+    the tokenizer, ``seq_len`` and `FORMAT_VERSION`."""
+    return {
+        "format": FORMAT_VERSION,
+        **data_identity(config, cache_dir=cache_dir, examples=examples),
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "seq_len": config.seq_len,
     }
@@ -152,9 +180,8 @@ def prepare(
         return loaded[0]
 
     key = identity(config, tokenizer, cache_dir=datasets_cache, examples=once)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = data_cache_root(cache_dir)
-    final = root / f"packed-L{config.seq_len}-{digest}"
+    final = root / f"packed-L{config.seq_len}-{data_key(key)}"
     failed = final.with_name(final.name + ".failed")
     if not _complete(final, key):
         if preparer:

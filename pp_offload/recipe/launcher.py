@@ -88,7 +88,7 @@ def check_before_launch(config: RecipeConfig, world: int, *, check_only: bool = 
         embedded = None
         if config.data.path == "embedded":
             embedded = embedded_assets(embedded_dir(cache)).tokenizer_dir
-        tokenizer = load_tokenizer(config, embedded, examples)
+        tokenizer = load_tokenizer(config, embedded, examples, cache=cache)
         check_config_model(config, tokenizer, pipelined=topo.distributed)
         if not check_only:  # tokenize and pack once, before the ranks start: they memory-map the result
             prepare_data(config, config.data, tokenizer, cache, examples)

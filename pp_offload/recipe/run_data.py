@@ -23,7 +23,7 @@ from pp_offload.data import (
 )
 from pp_offload.data.prepared import Prepared, prepare
 from pp_offload.recipe.config import ConfigError, RecipeConfig
-from pp_offload.recipe.sources import TRAIN_TOKENIZER, load_tokenizer
+from pp_offload.recipe.sources import load_tokenizer
 from pp_offload.recipe.topology import Topology
 
 __all__ = ["RunData", "data_cache", "prepare_data", "run_data"]
@@ -60,10 +60,14 @@ def run_data(config: RecipeConfig, topo: Topology, cache: Path | None) -> RunDat
     tokenizer_dir = None
     if data.path == "embedded":
         tokenizer_dir = embedded_assets(embedded_dir(cache)).tokenizer_dir
-    examples = None
-    if config.model.tokenizer == TRAIN_TOKENIZER:  # model.tokenizer: train learns the examples
-        examples = load_examples(data, cache_dir=cache)
-    tokenizer = load_tokenizer(config, tokenizer_dir, examples)
+    loaded: list[Any] = []
+
+    def examples() -> Any:  # loaded only to train a tokenizer or prepare the data, and then once
+        if not loaded:
+            loaded.append(load_examples(data, cache_dir=cache))
+        return loaded[0]
+
+    tokenizer = load_tokenizer(config, tokenizer_dir, examples, cache=cache)
     prepared = prepare_data(config, data, tokenizer, cache, examples, preparer=topo.local_rank == 0)
     if topo.rank == 0 and (note := prepared.note()):
         print(f"data: {note}", flush=True)
@@ -91,11 +95,15 @@ def prepare_data(
 ) -> Prepared:
     """The packed blocks of ``data`` (the training data or `DataConfig.eval_config`), prepared here if
     ``preparer`` and not cached yet, else waited for (``train.timeout_s``). ``examples``: the raw examples
-    when already loaded."""
+    or a function loading them (default: `load_examples`)."""
+    if examples is None:
+        loader = lambda: load_examples(data, cache_dir=cache)  # noqa: E731
+    else:
+        loader = examples if callable(examples) else (lambda: examples)
     return prepare(
         data,
         tokenizer,
-        (lambda: examples) if examples is not None else (lambda: load_examples(data, cache_dir=cache)),
+        loader,
         cache_dir=cache,
         preparer=preparer,
         timeout_s=config.train.timeout_s,
