@@ -65,6 +65,9 @@ class DataConfig:
             under ``~/.cache/huggingface``), so every run on the machine reuses one preparation.
         num_proc: Processes tokenizing the data when it is prepared; ``null``: one per 50,000 rows, at most
             the CPU count.
+        streaming: Read the data as a stream and pack it on the fly instead of preparing it: for data too
+            big to prepare (hub or local). In file order, each rank tokenizes the stream and keeps its
+            share; a resume re-reads the rows before its step (docs/data.md). Held-out data is prepared.
     """
 
     path: str = "embedded"
@@ -83,6 +86,7 @@ class DataConfig:
     eval_max_examples: int | None = None
     cache_dir: str | None = None
     num_proc: int | None = None
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         # Fail at recipe-parsing time, not after minutes of tokenization.
@@ -138,6 +142,7 @@ class DataConfig:
         data_files = None if self.eval_path is not None else self.data_files
         return dataclasses.replace(
             self,
+            streaming=False,  # held-out sets are small: prepared, and read again at no cost
             path=path,
             split=split,
             data_files=data_files,

@@ -69,10 +69,28 @@ def load_examples(config: DataConfig, *, cache_dir: str | os.PathLike | None = N
         raise DataError(f"no such file or directory: {path!r}; {_HINT}")
     else:
         dataset = _load_from_hub(config, datasets_cache)
+    if config.streaming:
+        _require_streamed_columns(dataset, config)
+        return dataset.take(config.max_examples) if config.max_examples is not None else dataset
     require_columns(dataset, config)
     if config.max_examples is not None and config.max_examples < len(dataset):
         dataset = dataset.select(range(config.max_examples))
     return dataset
+
+
+def _require_streamed_columns(dataset: datasets.IterableDataset, config: DataConfig) -> None:
+    """`require_columns` for a stream, whose columns a builder may only know after the first row."""
+    if dataset.column_names is None:
+        first = next(iter(dataset.take(1)), None)
+        if first is None:
+            raise DataError(f"the stream of {config.path!r} (split {config.split!r}) is empty")
+
+        class _Row:
+            column_names = list(first)
+
+        require_columns(_Row(), config)
+    else:
+        require_columns(dataset, config)
 
 
 def source_files(config: DataConfig, *, cache_dir: str | os.PathLike | None = None) -> list[Path] | None:
@@ -119,7 +137,12 @@ def _load_local(
 
     try:
         return datasets.load_dataset(
-            builder, config.name, data_files=data_files, split=config.split, cache_dir=cache_dir
+            builder,
+            config.name,
+            data_files=data_files,
+            split=config.split,
+            cache_dir=cache_dir,
+            streaming=config.streaming,
         )
     except Exception as error:  # datasets raises many types (FileNotFoundError, ValueError, ArrowInvalid...)
         where = _malformed_line(builder, data_files) or _root_cause(error)
@@ -206,7 +229,12 @@ def _load_from_hub(config: DataConfig, cache_dir: str | None) -> datasets.Datase
         raise DataError(f"{unreachable} (to use a copy in your Hugging Face cache, set HF_HUB_OFFLINE=1)")
     try:
         return datasets.load_dataset(
-            config.path, config.name, data_files=config.data_files, split=config.split, cache_dir=cache_dir
+            config.path,
+            config.name,
+            data_files=config.data_files,
+            split=config.split,
+            cache_dir=cache_dir,
+            streaming=config.streaming,
         )
     except ConnectionError as error:  # includes huggingface_hub's OfflineModeIsEnabled
         raise DataError(unreachable) from error

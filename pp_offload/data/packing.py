@@ -41,6 +41,7 @@ __all__ = [
     "format_examples",
     "pack_examples",
     "pack_tokenized",
+    "tokenize_batch",
     "tokenize_examples",
 ]
 
@@ -117,7 +118,7 @@ def tokenize_examples(
         }
     )
     return examples.map(
-        _tokenize,
+        tokenize_batch,
         batched=True,
         remove_columns=examples.column_names,
         fn_kwargs={"tokenizer": tokenizer, "config": config, "eos": int(eos)},
@@ -241,7 +242,7 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
-def _tokenize(batch: dict[str, list], tokenizer: Any, config: DataConfig, eos: int) -> dict[str, list]:
+def tokenize_batch(batch: dict[str, list], tokenizer: Any, config: DataConfig, eos: int) -> dict[str, list]:
     """Each example's token ids (prompt + response + eos), how many are prompt tokens, and its skip code."""
 
     prompts, responses = _texts(batch, config, tokenizer)

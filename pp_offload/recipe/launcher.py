@@ -90,7 +90,7 @@ def check_before_launch(config: RecipeConfig, world: int, *, check_only: bool = 
             embedded = embedded_assets(embedded_dir(cache)).tokenizer_dir
         tokenizer = load_tokenizer(config, embedded, examples, cache=cache)
         check_config_model(config, tokenizer, pipelined=topo.distributed)
-        if not check_only:  # tokenize and pack once, before the ranks start: they memory-map the result
+        if not (check_only or config.data.streaming):  # prepared once here; the ranks memory-map it
             prepare_data(config, config.data, tokenizer, cache, examples)
         if config.data.has_eval:
             from pp_offload.data import DataError

@@ -22,6 +22,7 @@ from pp_offload.data import (
     load_examples,
 )
 from pp_offload.data.prepared import Prepared, prepare
+from pp_offload.data.streaming import StreamingBatches
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.sources import load_tokenizer
 from pp_offload.recipe.topology import Topology
@@ -44,7 +45,7 @@ class RunData:
     """What every rank trains and evaluates on."""
 
     tokenizer: Any
-    batches: PackedBatches
+    batches: PackedBatches | StreamingBatches
     eval_batches: list[dict[str, torch.Tensor]] | None
 
 
@@ -68,16 +69,27 @@ def run_data(config: RecipeConfig, topo: Topology, cache: Path | None) -> RunDat
         return loaded[0]
 
     tokenizer = load_tokenizer(config, tokenizer_dir, examples, cache=cache)
-    prepared = prepare_data(config, data, tokenizer, cache, examples, preparer=topo.local_rank == 0)
-    if topo.rank == 0 and (note := prepared.note()):
-        print(f"data: {note}", flush=True)
-    batches = PackedBatches(
-        prepared.blocks,
-        config.train.global_batch_size,
-        dp_rank=topo.dp_rank,
-        dp_size=topo.dp,
-        seed=config.train.seed,
-    )
+    batches: PackedBatches | StreamingBatches
+    if data.streaming:  # packed on the fly, each rank its share (pp_offload.data.streaming)
+        batches = StreamingBatches(
+            lambda: load_examples(data, cache_dir=cache),
+            tokenizer,
+            data,
+            config.train.global_batch_size,
+            dp_rank=topo.dp_rank,
+            dp_size=topo.dp,
+        )
+    else:
+        prepared = prepare_data(config, data, tokenizer, cache, examples, preparer=topo.local_rank == 0)
+        if topo.rank == 0 and (note := prepared.note()):
+            print(f"data: {note}", flush=True)
+        batches = PackedBatches(
+            prepared.blocks,
+            config.train.global_batch_size,
+            dp_rank=topo.dp_rank,
+            dp_size=topo.dp,
+            seed=config.train.seed,
+        )
     held_out = None
     if data.has_eval:
         held_out = _eval_batches(config, topo, tokenizer, cache)

@@ -130,6 +130,13 @@ def load_tokenizer(
 
         if examples is None:
             raise ValueError("model.tokenizer=train needs the training examples")
+        if config.data.streaming:
+            raise ConfigError(
+                "model.tokenizer=train reads all the data to train a tokenizer, data.streaming never does: "
+                "train one once (pp_offload.data.tokenizer.train_tokenizer on a sample, then "
+                "save_pretrained) and set model.tokenizer to its directory, or prepare the data "
+                "(data.streaming: false)"
+            )
         try:
             loader = examples if callable(examples) else (lambda: examples)
             key = data_key(data_identity(config.data, cache_dir=cache, examples=loader))
