@@ -43,12 +43,7 @@ class PackedBatches:
         dp_size: int = 1,
         seed: int = 0,
     ) -> None:
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if global_batch_size < 1 or global_batch_size % dp_size:
-            raise ValueError(
-                f"global_batch_size must be a positive multiple of dp_size={dp_size}, got {global_batch_size}"
-            )
+        check_split(global_batch_size, dp_rank, dp_size)
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         if not isinstance(packed, PackedBlocks):
@@ -111,6 +106,17 @@ class PackedBatches:
         out["num_target_tokens"] = torch.tensor(int(self._targets[rows].sum()), dtype=torch.int64)
         out["packed_rows"] = packed_rows(out["position_ids"])
         return out
+
+
+def check_split(global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    """Raise a `ValueError` unless ``dp_size`` ranks can each take rank ``dp_rank``'s equal share of a
+    global batch."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+    if global_batch_size < 1 or global_batch_size % dp_size:
+        raise ValueError(
+            f"global_batch_size must be a positive multiple of dp_size={dp_size}, got {global_batch_size}"
+        )
 
 
 HOST_KEYS = ("num_target_tokens", "packed_rows")  # packed_rows: pp_offload.models.masks.PACKED_ROWS_KEY

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pp_offload.data.batches import check_split
 from pp_offload.data.blocks import PACKED_COLUMNS, TARGETS_COLUMN, Packer
 from pp_offload.data.config import DataConfig
 from pp_offload.data.errors import DataError
@@ -56,12 +57,7 @@ class StreamingBatches:
         dp_rank: int = 0,
         dp_size: int = 1,
     ) -> None:
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if global_batch_size < 1 or global_batch_size % dp_size:
-            raise ValueError(
-                f"global_batch_size must be a positive multiple of dp_size={dp_size}, got {global_batch_size}"
-            )
+        check_split(global_batch_size, dp_rank, dp_size)
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
             raise DataError("the tokenizer has no eos token; packing needs one to separate documents")
