@@ -15,6 +15,7 @@ no labels matrix.
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import TYPE_CHECKING
 
@@ -117,7 +118,7 @@ class PackedBlocks:
     record batch at a time); `open` memory-maps a prepared file, so the blocks cost no memory until read.
     """
 
-    def __init__(self, table: pa.Table) -> None:
+    def __init__(self, table: pa.Table, *, mapping: mmap.mmap | None = None) -> None:
         missing = [name for name in PACKED_COLUMNS if name not in table.column_names]
         if missing:
             raise DataError(f"not a packed dataset: missing columns {missing} (it has {table.column_names})")
@@ -136,16 +137,24 @@ class PackedBlocks:
         self._starts = np.cumsum([0, *sizes])
         self.targets = np.concatenate(counts).astype(np.int64) if counts else np.empty(0, np.int64)
         self.seq_len = self._views["input_ids"][0].shape[1] if sizes else 0
-        self._table = table  # keeps the memory map (and the buffers the views point into) alive
+        self._table = table  # keeps the buffers the views point into alive
+        self._mapping = mapping
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> PackedBlocks:
-        """The blocks of an Arrow stream file written by preparation, memory-mapped (no copy)."""
+        """The blocks of an Arrow stream file written by preparation, memory-mapped (no copy).
+
+        The mapping is read without readahead (a block is a few KB, read at random), and the pages a read
+        touched are dropped from this process after it (`rows`): they stay in the page cache, shared by
+        the ranks, but this rank's resident memory does not grow with the blocks an epoch visits."""
         import pyarrow as pa
 
-        with pa.memory_map(str(path)) as source:
-            table = pa.ipc.open_stream(source).read_all()
-        return cls(table)
+        with open(path, "rb") as file:
+            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_RANDOM"):
+            mapping.madvise(mmap.MADV_RANDOM)
+        table = pa.ipc.open_stream(pa.py_buffer(mapping)).read_all()
+        return cls(table, mapping=mapping)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -156,12 +165,15 @@ class PackedBlocks:
         indices = np.asarray(indices, dtype=np.int64)
         which = np.searchsorted(self._starts, indices, side="right") - 1
         local = indices - self._starts[which]
-        return {
+        rows = {
             name: np.stack([views[c][r] for c, r in zip(which.tolist(), local.tolist(), strict=True)])
             if len(indices)
             else np.empty((0, self.seq_len), np.int32)
             for name, views in self._views.items()
         }
+        if self._mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mapping.madvise(mmap.MADV_DONTNEED)  # copied: let the pages go (see `open`)
+        return rows
 
 
 def _rows_view(column: pa.Array) -> np.ndarray:
