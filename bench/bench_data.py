@@ -8,10 +8,13 @@ random words) are written as JSON Lines, then:
 - a cold run: ``pp-offload train --nproc-per-node 2`` (a tiny Llama, 2 pipeline ranks on CPU, a few steps)
   with an empty ``data.cache_dir``: time from the launch to the first step's log line, each rank's peak RSS
   (VmHWM) and the launcher's RSS while the ranks train (sampled);
-- a warm run: the same data and cache, a new output directory.
+- a warm run: the same data and cache, a new output directory;
+- streaming (``data.streaming``): seconds from the stream's opening to the first global batch, and to a
+  resume's first batch at ``--resume-step`` (rows re-read per second).
 
     python bench/bench_data.py                       # 10k, 100k and 1M rows
     python bench/bench_data.py --rows 10000 --steps 2
+    python bench/bench_data.py --parts stream       # data.streaming: first batch, resume cost
 
 Writes bench/results/data.json (or --out) and prints a table (the one in docs/data.md).
 """
@@ -55,6 +58,29 @@ print(json.dumps({"seconds": seconds, "blocks": len(prepared.blocks), "rows": pr
 """
 
 
+STREAM = """
+import json, resource, sys, time
+start = time.perf_counter()
+from pp_offload.data import DataConfig, load_examples
+from pp_offload.data.streaming import StreamingBatches
+from transformers import AutoTokenizer
+file, tokenizer, cache, skip = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+config = DataConfig(path=file, prompt_column="prompt", response_column="response", seq_len=128,
+                    streaming=True)
+tok = AutoTokenizer.from_pretrained(tokenizer)
+imported = time.perf_counter()
+batches = StreamingBatches(lambda: load_examples(config, cache_dir=cache), tok, config, 16)
+batches.batch(0)
+first = time.perf_counter()
+resumed = StreamingBatches(lambda: load_examples(config, cache_dir=cache), tok, config, 16)
+resumed.batch(skip)
+skipped = time.perf_counter()
+print(json.dumps({"imports_s": imported - start, "first_batch_s": first - imported,
+                  "resume_step": skip, "resume_s": skipped - first, "rows_skipped": resumed.skipped_rows,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
 def write_rows(path: Path, rows: int, seed: int = 0) -> int:
     """``rows`` JSON lines of about 100 bytes each; returns the file's size."""
     rng = random.Random(seed)
@@ -73,6 +99,18 @@ def _env() -> dict[str, str]:
 def prepare_once(file: Path, tokenizer: Path, cache: Path) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", PREPARE, str(file), str(tokenizer), str(cache)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def stream_once(file: Path, tokenizer: Path, cache: Path, skip: int) -> dict:
+    """``data.streaming``: seconds to the first global batch (after imports) and to resume at ``skip``."""
+    out = subprocess.run(
+        [sys.executable, "-c", STREAM, str(file), str(tokenizer), str(cache), str(skip)],
         env=_env(),
         capture_output=True,
         text=True,
@@ -176,7 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--no-train", action="store_true", help="preparation only")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("prepare", "train", "stream"),
+        default=["prepare", "train", "stream"],
+        help="what to measure (default: all)",
+    )
+    parser.add_argument("--resume-step", type=int, default=1000, help="streaming: the step a resume skips to")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "data.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -189,18 +234,25 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             file = work / f"rows-{rows}.jsonl"
             size = write_rows(file, rows)
-            prep = prepare_once(file, tokenizer, work / f"prep-cache-{rows}")
-            entry = {"rows": rows, "bytes": size, "prepare": prep, "rows_per_s": rows / prep["seconds"]}
-            if not args.no_train:
+            entry: dict = {"rows": rows, "bytes": size}
+            if "prepare" in args.parts:
+                prep = prepare_once(file, tokenizer, work / f"prep-cache-{rows}")
+                entry |= {"prepare": prep, "rows_per_s": rows / prep["seconds"]}
+            if "train" in args.parts:
                 cache = work / f"cache-{rows}"
                 entry["cold"] = train_once(file, tokenizer, cache, work / f"cold-{rows}", args.steps)
                 entry["warm"] = train_once(file, tokenizer, cache, work / f"warm-{rows}", args.steps)
+            if "stream" in args.parts:
+                entry["stream"] = stream_once(file, tokenizer, work / f"stream-{rows}", args.resume_step)
             results.append(entry)
             print(json.dumps(entry), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpus": os.cpu_count(), "results": results}, indent=2) + "\n")
+    load = os.getloadavg()
+    args.out.write_text(
+        json.dumps({"cpus": os.cpu_count(), "loadavg_at_end": load, "results": results}, indent=2) + "\n"
+    )
     print(table(results))
     return 0
 
@@ -214,17 +266,19 @@ def table(results: list[dict]) -> str:
 
     lines = [
         "| rows | prepare s | rows/s | prepare peak MiB | rank peak MiB (cold / warm) | launcher MiB while "
-        "training | first step s cold | first step s warm |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "training | first step s cold | first step s warm | streaming: first batch s | streaming: resume "
+        "rows/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        cold, warm = r.get("cold", {}), r.get("warm", {})
-        ranks = "/".join(mib(max(x["rank_peak_rss_mib"], default=None)) for x in (cold, warm) if x)
+        prep, cold, warm, stream = (r.get(k, {}) for k in ("prepare", "cold", "warm", "stream"))
+        ranks = " / ".join(mib(max(x["rank_peak_rss_mib"], default=None)) for x in (cold, warm) if x)
+        resume = stream["rows_skipped"] / stream["resume_s"] if stream.get("resume_s") else None
         lines.append(
-            f"| {r['rows']:,} | {r['prepare']['seconds']:.1f} | {r['rows_per_s']:,.0f} | "
-            f"{mib(r['prepare']['peak_rss_mib'])} | {ranks or '-'} | "
+            f"| {r['rows']:,} | {secs(prep.get('seconds'))} | {mib(r.get('rows_per_s'))} | "
+            f"{mib(prep.get('peak_rss_mib'))} | {ranks or '-'} | "
             f"{mib(cold.get('launcher_rss_training_mib'))} | {secs(cold.get('first_step_s'))} | "
-            f"{secs(warm.get('first_step_s'))} |"
+            f"{secs(warm.get('first_step_s'))} | {secs(stream.get('first_batch_s'))} | {mib(resume)} |"
         )
     return "\n".join(lines)
 
