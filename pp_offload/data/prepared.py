@@ -164,13 +164,17 @@ def prepare(
     timeout_s: float = 600.0,
     num_proc: int | None = None,
     datasets_cache: str | os.PathLike[str] | None = None,
+    in_child: bool = False,
 ) -> Prepared:
     """The packed blocks of ``config`` tokenized by ``tokenizer``, from the cache when present.
 
     The ``preparer`` builds a missing entry (``examples`` loads the raw examples); any other process waits
     up to ``timeout_s`` seconds for it, and raises the preparer's own error if it failed. ``num_proc``
     tokenizing processes (None: one per 50k rows, at most the CPU count). ``datasets_cache`` is the root
-    `load_examples` uses (the embedded corpus lives there), for the data's identity.
+    `load_examples` uses (the embedded corpus lives there), for the data's identity. ``in_child``: build in
+    a forked child process, so that the memory preparation touches (the raw and tokenized tables it maps,
+    growing with the data) is never this process's: a rank that prepares then trains at the same resident
+    memory as the others.
     """
     loaded: list[datasets.Dataset] = []
 
@@ -186,11 +190,18 @@ def prepare(
     if not _complete(final, key):
         if preparer:
             failed.unlink(missing_ok=True)
-            try:
-                _build(root, final, key, config, tokenizer, once(), num_proc)
-            except BaseException as error:
-                _write_failure(failed, error)
-                raise
+
+            def build() -> None:
+                try:
+                    _build(root, final, key, config, tokenizer, once(), num_proc)
+                except BaseException as error:
+                    _write_failure(failed, error)
+                    raise
+
+            if in_child:
+                _run_in_child(build, failed)
+            else:
+                build()
         else:
             _wait(final, key, failed, timeout_s)
     info = json.loads((final / _INFO_FILE).read_text())
@@ -253,10 +264,32 @@ def _build(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _run_in_child(build: Callable[[], None], failed: Path) -> None:
+    """Run ``build`` in a forked child; raise a `DataError` with the failure it wrote if it failed."""
+    import multiprocessing
+
+    def target() -> None:
+        try:
+            build()
+        except DataError:
+            raise SystemExit(1) from None  # the parent raises it, as one line
+        # anything else: multiprocessing prints the traceback in the child, and the parent raises below
+
+    child = multiprocessing.get_context("fork").Process(target=target, name="prepare-data")
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        try:
+            message = failed.read_text()
+        except OSError:
+            message = f"the process preparing the data ended with exit code {child.exitcode}"
+        raise DataError(message)
+
+
 def _write_failure(failed: Path, error: BaseException) -> None:
     try:
         failed.parent.mkdir(parents=True, exist_ok=True)
-        failed.write_text(f"{type(error).__name__}: {error}")
+        failed.write_text(str(error) if isinstance(error, DataError) else f"{type(error).__name__}: {error}")
     except OSError:
         pass  # the error itself is what matters; torchrun ends the waiting ranks when this one exits
 

@@ -80,7 +80,9 @@ def run_data(config: RecipeConfig, topo: Topology, cache: Path | None) -> RunDat
             dp_size=topo.dp,
         )
     else:
-        prepared = prepare_data(config, data, tokenizer, cache, examples, preparer=topo.local_rank == 0)
+        prepared = prepare_data(
+            config, data, tokenizer, cache, examples, preparer=topo.local_rank == 0, in_child=True
+        )
         if topo.rank == 0 and (note := prepared.note()):
             print(f"data: {note}", flush=True)
         batches = PackedBatches(
@@ -104,6 +106,7 @@ def prepare_data(
     examples: Any = None,
     *,
     preparer: bool = True,
+    in_child: bool = False,
 ) -> Prepared:
     """The packed blocks of ``data`` (the training data or `DataConfig.eval_config`), prepared here if
     ``preparer`` and not cached yet, else waited for (``train.timeout_s``). ``examples``: the raw examples
@@ -118,6 +121,7 @@ def prepare_data(
         loader,
         cache_dir=cache,
         preparer=preparer,
+        in_child=in_child,
         timeout_s=config.train.timeout_s,
         num_proc=data.num_proc,
         datasets_cache=cache,
@@ -131,7 +135,9 @@ def _eval_batches(
     in a fixed order, each data-parallel rank its slice: every evaluation scores the same tokens."""
     eval_data = config.data.eval_config()
     try:
-        prepared = prepare_data(config, eval_data, tokenizer, cache, preparer=topo.local_rank == 0)
+        prepared = prepare_data(
+            config, eval_data, tokenizer, cache, preparer=topo.local_rank == 0, in_child=True
+        )
         held_out = PackedBatches(
             prepared.blocks, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=0
         )
