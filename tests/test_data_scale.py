@@ -222,3 +222,28 @@ def test_trained_tokenizer_is_shared_by_runs_on_the_same_data(tmp_path: Path, mo
     assert (tmp_path / "run2" / "tokenizer" / "trained_on.json").is_file()
     _sft_file(tmp_path / "sft.jsonl", seed=3)  # other data: another key, so another tokenizer
     assert data_key(data_identity(config)) != key
+
+
+def test_the_launcher_names_a_malformed_line_in_one_line_from_its_checking_child(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A real launch (no --check): the checks run in a forked child, which must still report in one line,
+    # with the file and the line, and start no rank.
+    import subprocess
+
+    from pp_offload.__main__ import main as pp_offload_main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"q": "a b", "r": "c"}\n{"q": "a", "r": "b"\n')
+    config = tmp_path / "c.yaml"
+    data = f"{{path: {bad}, prompt_column: q, response_column: r, seq_len: 8, cache_dir: {tmp_path / 'c'}}}"
+    config.write_text(
+        "model:\n  config: {model_type: gpt2, n_layer: 4, n_embd: 16, n_head: 2}\n  tokenizer: train\n"
+        f"data: {data}\ntrain: {{steps: 2, global_batch_size: 4}}\npipeline: {{microbatches: 2}}\n"
+        f"output: {{dir: {tmp_path / 'run'}}}\n"
+    )
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a rank was started"))
+    assert pp_offload_main(["train", "--nproc-per-node", "2", "--config", str(config)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("finetune: configuration error: could not load"), err
+    assert f"{bad}:2: malformed JSON line" in err[-1]
