@@ -55,7 +55,8 @@ def test_streamed_batches_are_the_prepared_blocks_in_order_and_resume_exactly(tm
     in_memory = DataConfig(**{**config.__dict__, "streaming": False})
     prepared = pack_examples(load_examples(in_memory, cache_dir=tmp_path), _tokenizer(), in_memory)
     blocks = len(prepared)
-    stream = _batches(config, tmp_path)
+    reported: list[str] = []
+    stream = _batches(config, tmp_path, report=reported.append)
     steps = blocks // 8 + 3  # past the end of the first pass: the stream starts over
     run = [stream.batch(step) for step in range(steps)]
     for step in range(blocks // 8):
@@ -64,6 +65,7 @@ def test_streamed_batches_are_the_prepared_blocks_in_order_and_resume_exactly(tm
             assert torch.equal(run[step][name], expect), (step, name)
         assert int(run[step]["num_target_tokens"]) == int((run[step]["labels"] != -100).sum())
     assert stream.counts.note() == f"skipped {300 // 17 + 1} of 300 rows: empty or null response"
+    assert reported == [f"data: {stream.counts.note()}"]  # once, though the stream was read twice
     resumed = _batches(config, tmp_path)
     for step in (steps - 2, steps - 1, 1):  # a resume skips ahead; looking back starts the stream again
         for name, value in resumed.batch(step).items():

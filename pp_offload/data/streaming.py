@@ -44,7 +44,8 @@ class StreamingBatches:
     ``examples`` opens the stream (a `datasets.IterableDataset`, from the start) and is called again for
     each pass over the data, and to go back to an earlier step. ``skipped_rows`` counts the rows read only
     to reach a step (a resume's cost); ``counts`` the rows of one pass skipped for having nothing to learn
-    (complete once the first pass is read).
+    (complete once the first pass is read). ``report`` is called once with that count's line (``data:
+    skipped 12 of 2,000 rows: empty or null response``) when the first pass ends, if any row was skipped.
     """
 
     def __init__(
@@ -56,12 +57,14 @@ class StreamingBatches:
         *,
         dp_rank: int = 0,
         dp_size: int = 1,
+        report: Callable[[str], None] | None = None,
     ) -> None:
         check_split(global_batch_size, dp_rank, dp_size)
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
             raise DataError("the tokenizer has no eos token; packing needs one to separate documents")
         self._open, self._tokenizer, self._config, self._eos = examples, tokenizer, config, int(eos)
+        self._report = report
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // dp_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -121,6 +124,9 @@ class StreamingBatches:
                     f"the stream of {self._config.path!r} (split {self._config.split!r}) holds no document "
                     "with text to learn"
                 )
+            if first and self._report is not None and (note := self.counts.note()):
+                self._report(f"data: {note}")
+                self._report = None  # once, even when the stream is opened again
             first = False
 
     def _pass(self, packer: Packer, *, count: bool) -> Iterator[dict[str, np.ndarray]]:

@@ -78,6 +78,7 @@ def run_data(config: RecipeConfig, topo: Topology, cache: Path | None) -> RunDat
             config.train.global_batch_size,
             dp_rank=topo.dp_rank,
             dp_size=topo.dp,
+            report=(lambda line: print(line, flush=True)) if topo.rank == 0 else None,
         )
     else:
         prepared = prepare_data(
