@@ -92,6 +92,12 @@ def test_streaming_names_a_missing_column_and_an_empty_stream(tmp_path: Path) ->
         load_examples(
             DataConfig(path=str(file), prompt_column="question", response_column="r", streaming=True)
         )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"q": "a", "r": "b"}\n{"q": "a", "r": "b"\n')  # its line 2 is read mid-stream
+    two_files = DataConfig(**{**_config(file).__dict__, "path": "json", "data_files": [str(file), str(bad)]})
+    load_examples(two_files, cache_dir=tmp_path)  # opening reads only the first file's first rows: fine
+    with pytest.raises(DataError, match=rf"could not read 'json' .*; {bad}:2: malformed JSON line"):
+        _batches(two_files, tmp_path).batch(0)
     empty = tmp_path / "e.jsonl"
     empty.write_text(json.dumps({"q": "a", "r": ""}) + "\n")
     with pytest.raises(DataError, match="holds no document with text to learn"):

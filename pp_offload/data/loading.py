@@ -22,7 +22,7 @@ from pp_offload.hub import hub_reachable as _hub_reachable
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["BUILDERS", "SUFFIX_BUILDERS", "load_examples", "require_columns", "source_files"]
+__all__ = ["BUILDERS", "SUFFIX_BUILDERS", "load_examples", "read_error", "require_columns", "source_files"]
 
 #: `datasets` packaged builders a config may name directly (with ``data_files``).
 BUILDERS = ("text", "json", "parquet", "csv")
@@ -81,7 +81,10 @@ def load_examples(config: DataConfig, *, cache_dir: str | os.PathLike | None = N
 def _require_streamed_columns(dataset: datasets.IterableDataset, config: DataConfig) -> None:
     """`require_columns` for a stream, whose columns a builder may only know after the first row."""
     if dataset.column_names is None:
-        first = next(iter(dataset.take(1)), None)
+        try:
+            first = next(iter(dataset.take(1)), None)
+        except Exception as error:  # the first read parses the first chunk: a bad line there fails here
+            raise read_error(config, error) from error
         if first is None:
             raise DataError(f"the stream of {config.path!r} (split {config.split!r}) is empty")
 
@@ -107,6 +110,18 @@ def source_files(config: DataConfig, *, cache_dir: str | os.PathLike | None = No
     if local.is_dir():
         return _files(str(local))  # every file, whichever data_files picks: a superset identifies it too
     return None
+
+
+def read_error(config: DataConfig, error: Exception) -> DataError:
+    """The `DataError` for a failure while reading a stream (``data.streaming`` reads lazily, so a bad line
+    shows up mid-run): the error, and for JSON files the first malformed line's file and number."""
+    files = source_files(config) or []
+    json_files = [f for f in files if {".json", ".jsonl"} & {s.lower() for s in f.suffixes}]
+    where = _malformed_line("json", json_files) if json_files else None
+    return DataError(
+        f"could not read {config.path!r} (split {config.split!r}): {type(error).__name__}: {error}"
+        + (f"; {where}" if where else "")
+    )
 
 
 def _builder_for(file: Path) -> str:

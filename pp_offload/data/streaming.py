@@ -26,6 +26,7 @@ from pp_offload.data.batches import check_split
 from pp_offload.data.blocks import PACKED_COLUMNS, TARGETS_COLUMN, Packer
 from pp_offload.data.config import DataConfig
 from pp_offload.data.errors import DataError
+from pp_offload.data.loading import read_error
 from pp_offload.data.packing import SkipCounts, tokenize_batch
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class StreamingBatches:
         ``counts`` if ``count``: the first pass of this object, so each row once)."""
         import pyarrow as pa
 
-        for rows in self._open().iter(batch_size=ROWS_PER_READ):
+        for rows in _rows(self._open(), self._config):
             tokenized = tokenize_batch(rows, self._tokenizer, self._config, self._eos)
             codes = np.asarray(tokenized["skip"], np.int8)
             if count:
@@ -151,6 +152,22 @@ class StreamingBatches:
                     else batch.column(name).to_numpy()
                     for name in (*PACKED_COLUMNS, TARGETS_COLUMN)
                 }
+
+
+def _rows(stream: datasets.IterableDataset, config: DataConfig) -> Iterator[dict[str, list]]:
+    """The stream's rows, ``ROWS_PER_READ`` at a time; a read failure (a malformed line) as a `DataError`
+    naming the file and the line where it can."""
+    rows = stream.iter(batch_size=ROWS_PER_READ)
+    while True:
+        try:
+            batch = next(rows)
+        except StopIteration:
+            return
+        except DataError:
+            raise
+        except Exception as error:  # datasets raises many types while parsing (ArrowInvalid, ValueError...)
+            raise read_error(config, error) from error
+        yield batch
 
 
 def _matrix(column: Any) -> np.ndarray:
