@@ -4,7 +4,9 @@ For each row count, generated supervised fine-tuning rows of about 100 bytes (a 
 random words) are written as JSON Lines, then:
 
 - preparation: `pp_offload.data.prepared.prepare` in a fresh process with an already-trained tokenizer (the
-  embedded corpus's byte-level BPE) into an empty cache: seconds, rows/s and that process's peak RSS;
+  embedded corpus's byte-level BPE) into an empty cache: seconds, rows/s, that process's peak RSS, and
+  the CPU seconds it and its tokenizing processes used (rows per CPU-second: what a loaded machine's wall
+  time hides);
 - a cold run: ``pp-offload train --nproc-per-node 2`` (a tiny Llama, 2 pipeline ranks on CPU, a few steps)
   with an empty ``data.cache_dir``: time from the launch to the first step's log line, each rank's peak RSS
   (VmHWM) and the launcher's RSS while the ranks train (sampled);
@@ -47,14 +49,17 @@ from transformers import AutoTokenizer
 file, tokenizer, cache = sys.argv[1:4]
 config = DataConfig(path=file, prompt_column="prompt", response_column="response", seq_len=128)
 tok = AutoTokenizer.from_pretrained(tokenizer)
-start = time.perf_counter()
+def cpu():
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+start, cpu_start = time.perf_counter(), cpu()
 prepared = prepare(config, tok, lambda: load_examples(config, cache_dir=cache), cache_dir=cache)
-seconds = time.perf_counter() - start
+seconds, cpu_s = time.perf_counter() - start, cpu() - cpu_start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 print(json.dumps({"seconds": seconds, "blocks": len(prepared.blocks), "rows": prepared.info["rows"],
                   "num_proc": prepared.info["num_proc"], "peak_rss_mib": peak,
-                  "peak_rss_workers_mib": children}))
+                  "peak_rss_workers_mib": children, "cpu_s": cpu_s}))
 """
 
 
