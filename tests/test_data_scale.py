@@ -247,3 +247,23 @@ def test_the_launcher_names_a_malformed_line_in_one_line_from_its_checking_child
     err = capfd.readouterr().err.strip().splitlines()
     assert err[-1].startswith("finetune: configuration error: could not load"), err
     assert f"{bad}:2: malformed JSON line" in err[-1]
+
+
+def test_tokenizer_fingerprint_is_the_same_in_another_process() -> None:
+    # Every rank names the cache entry by it: a hash that differs between processes (set order, object
+    # ids) would leave the waiting ranks waiting for an entry nobody writes.
+    import subprocess
+    import sys
+
+    from pp_offload.data.prepared import tokenizer_fingerprint
+
+    code = (
+        "from tests.test_data_scale import _tokenizer\n"
+        "from pp_offload.data.prepared import tokenizer_fingerprint\n"
+        "print(tokenizer_fingerprint(_tokenizer()))"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": "123"}
+    other = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert other.stdout.strip() == tokenizer_fingerprint(_tokenizer()), other.stderr
+    assert tokenizer_fingerprint(_tokenizer({**VOCAB, "a": 8, "h": 1})) != tokenizer_fingerprint(_tokenizer())

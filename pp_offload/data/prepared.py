@@ -142,12 +142,26 @@ def identity(
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A hash of what decides a tokenizer's ids: its serialized model and rules (fast tokenizers), eos and
-    chat template. A tokenizer without a serialized form is hashed by pickling it."""
-    import pickle
+    chat template; the same in every process (ranks must agree on the cache entry's name).
 
+    A tokenizer without a serialized form (a slow, Python one) is identified by its class, vocabulary,
+    ``name_or_path`` and constructor arguments instead: deterministic, but blind to a change of its
+    merges alone (prefer fast tokenizers, the transformers default)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else pickle.dumps(tokenizer)
-    digest = hashlib.sha256(body.encode() if isinstance(body, str) else body)
+    if backend is not None:
+        body = backend.to_str()
+    else:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        body = json.dumps(
+            [
+                sorted(vocab.items()),
+                getattr(tokenizer, "name_or_path", None),
+                getattr(tokenizer, "init_kwargs", {}),
+            ],
+            sort_keys=True,
+            default=str,
+        )
+    digest = hashlib.sha256(body.encode())
     extra = [type(tokenizer).__name__, getattr(tokenizer, "eos_token_id", None)]
     extra.append(getattr(tokenizer, "chat_template", None))
     digest.update(json.dumps(extra, default=str).encode())
