@@ -279,24 +279,36 @@ def _build(
 
 
 def _run_in_child(build: Callable[[], None], failed: Path) -> None:
-    """Run ``build`` in a forked child; raise a `DataError` with the failure it wrote if it failed."""
-    import multiprocessing
+    """Run ``build`` in a forked child; raise a `DataError` with the failure it wrote if it failed.
 
-    def target() -> None:
+    A bare `os.fork`, not `multiprocessing`: a rank may itself be a daemonic multiprocessing process
+    (`pp_offload.launch.run_on_ranks`), which multiprocessing forbids to have children."""
+    import sys
+    import traceback
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: build, report through `failed`, and leave without running the parent's exits
+        code = 0
         try:
             build()
         except DataError:
-            raise SystemExit(1) from None  # the parent raises it, as one line
-        # anything else: multiprocessing prints the traceback in the child, and the parent raises below
-
-    child = multiprocessing.get_context("fork").Process(target=target, name="prepare-data")
-    child.start()
-    child.join()
-    if child.exitcode != 0:
+            code = 1  # the parent raises it, as one line
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
         try:
             message = failed.read_text()
         except OSError:
-            message = f"the process preparing the data ended with exit code {child.exitcode}"
+            message = f"the process preparing the data ended with exit code {code}"
         raise DataError(message)
 
 
