@@ -28,17 +28,10 @@ from pp_offload.data import (
     pack_examples,
 )
 
+pytestmark = pytest.mark.usefixtures("quiet_datasets")
+
 # A word-level vocabulary small enough to pack by hand: "a b c" is [1, 2, 3].
 VOCAB = {"<eos>": 0, "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6, "g": 7, "h": 8, "Q": 9, "R": 10}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _quiet_datasets():
-    was_disabled = datasets.utils.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    yield
-    if not was_disabled:
-        datasets.enable_progress_bars()
 
 
 def _word_tokenizer(*, eos: bool = True) -> PreTrainedTokenizerFast:

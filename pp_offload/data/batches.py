@@ -10,6 +10,10 @@ Data-parallel ranks build the same global batch and each takes its contiguous sl
 to another about data. Each batch also carries the number of learned targets in the *global* batch, so every
 rank can divide its summed loss by the same global count (the mean over all tokens of all ranks) without an
 all-reduce.
+
+Memory: the blocks are read through `pp_offload.data.blocks.PackedBlocks` (memory-mapped when prepared), and
+a step copies only this rank's rows; the per-epoch permutation (8 bytes a block) and the per-block target
+counts (8 bytes a block) are the only arrays that grow with the data.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pp_offload.data.blocks import PACKED_COLUMNS, PackedBlocks
 from pp_offload.data.errors import DataError
-from pp_offload.data.packing import IGNORE_INDEX, PACKED_COLUMNS
 
 if TYPE_CHECKING:
     import datasets
@@ -32,24 +36,23 @@ class PackedBatches:
 
     def __init__(
         self,
-        packed: datasets.Dataset,
+        packed: datasets.Dataset | PackedBlocks,
         global_batch_size: int,
         *,
         dp_rank: int = 0,
         dp_size: int = 1,
         seed: int = 0,
     ) -> None:
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if global_batch_size < 1 or global_batch_size % dp_size:
-            raise ValueError(
-                f"global_batch_size must be a positive multiple of dp_size={dp_size}, got {global_batch_size}"
-            )
+        check_split(global_batch_size, dp_rank, dp_size)
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        missing = [name for name in PACKED_COLUMNS if name not in packed.column_names]
-        if missing:
-            raise DataError(f"not a packed dataset: missing columns {missing} (it has {packed.column_names})")
+        if not isinstance(packed, PackedBlocks):
+            missing = [name for name in PACKED_COLUMNS if name not in packed.column_names]
+            if missing:
+                raise DataError(
+                    f"not a packed dataset: missing columns {missing} (it has {packed.column_names})"
+                )
+            packed = PackedBlocks(packed.with_format("arrow")[:])
         if len(packed) < global_batch_size:
             raise DataError(
                 f"only {len(packed)} packed blocks, fewer than one global batch of {global_batch_size}: "
@@ -58,11 +61,8 @@ class PackedBatches:
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // dp_size
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self._data = packed.select_columns(list(PACKED_COLUMNS)).with_format("numpy")
-        # Learned targets per block, counted once so a batch's global count needs no other rank's rows.
-        # (A slice, not ``dataset["labels"]``: that lazy column is ~20x slower to turn into an array.)
-        labels = _matrix(self._data.select_columns(["labels"])[:]["labels"])
-        self._targets = (labels != IGNORE_INDEX).sum(axis=1)
+        self._blocks = packed
+        self._targets = packed.targets  # learned targets per block: a batch's global count reads no rows
         self._epoch: int | None = None
         self._order: np.ndarray | None = None
 
@@ -101,11 +101,22 @@ class PackedBatches:
         epoch, index = divmod(step, len(self))
         rows = self.permutation(epoch)[index * self.global_batch_size : (index + 1) * self.global_batch_size]
         mine = rows[self.dp_rank * self.local_batch_size : (self.dp_rank + 1) * self.local_batch_size]
-        data = self._data[mine.tolist()]
-        out = {name: torch.from_numpy(_matrix(data[name]).astype(np.int64)) for name in PACKED_COLUMNS}
+        data = self._blocks.rows(mine)
+        out = {name: torch.from_numpy(data[name].astype(np.int64)) for name in PACKED_COLUMNS}
         out["num_target_tokens"] = torch.tensor(int(self._targets[rows].sum()), dtype=torch.int64)
         out["packed_rows"] = packed_rows(out["position_ids"])
         return out
+
+
+def check_split(global_batch_size: int, dp_rank: int, dp_size: int) -> None:
+    """Raise a `ValueError` unless ``dp_size`` ranks can each take rank ``dp_rank``'s equal share of a
+    global batch."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+    if global_batch_size < 1 or global_batch_size % dp_size:
+        raise ValueError(
+            f"global_batch_size must be a positive multiple of dp_size={dp_size}, got {global_batch_size}"
+        )
 
 
 HOST_KEYS = ("num_target_tokens", "packed_rows")  # packed_rows: pp_offload.models.masks.PACKED_ROWS_KEY
@@ -116,11 +127,3 @@ CPU, so reading them never waits for the device."""
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """``batch`` with its tensors on ``device``, except the host facts (`HOST_KEYS`): they stay on the CPU."""
     return {k: v if k in HOST_KEYS else v.to(device) for k, v in batch.items()}
-
-
-def _matrix(rows: np.ndarray | list) -> np.ndarray:
-    """Rows of equal length as one 2-D array (numpy formatting gives an object array if they were ragged)."""
-    array = np.asarray(rows)
-    if array.dtype == object:
-        raise DataError("packed rows must all have the same length")
-    return array

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import string
 from dataclasses import dataclass
+from typing import Any
 
 from pp_offload.data.errors import DataError
 
@@ -59,6 +60,14 @@ class DataConfig:
         eval_path: Held-out examples from another source (same forms as ``path``, same columns and
             formatting).
         eval_max_examples: Read at most this many held-out examples.
+        cache_dir: Root of the data caches (tokenized and packed blocks, the `datasets` cache, the
+            embedded corpus); ``null``: the shared defaults (``$HF_DATASETS_CACHE/pp_offload``, by default
+            under ``~/.cache/huggingface``), so every run on the machine reuses one preparation.
+        num_proc: Processes tokenizing the data when it is prepared; ``null``: one per 50,000 rows, at most
+            the CPU count.
+        streaming: Read the data as a stream and pack it on the fly instead of preparing it: for data too
+            big to prepare (hub or local). In file order, each rank tokenizes the stream and keeps its
+            share; a resume re-reads the rows before its step (docs/data.md). Held-out data is prepared.
     """
 
     path: str = "embedded"
@@ -75,6 +84,9 @@ class DataConfig:
     eval_split: str | None = None
     eval_path: str | None = None
     eval_max_examples: int | None = None
+    cache_dir: str | None = None
+    num_proc: int | None = None
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         # Fail at recipe-parsing time, not after minutes of tokenization.
@@ -103,6 +115,8 @@ class DataConfig:
             raise DataError(f"max_examples must be >= 1 or None, got {self.max_examples}")
         if self.eval_max_examples is not None and self.eval_max_examples < 1:
             raise DataError(f"eval_max_examples must be >= 1 or None, got {self.eval_max_examples}")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise DataError(f"num_proc must be >= 1 or None, got {self.num_proc}")
         if self.eval_path is None and self.eval_split is not None and self.eval_split == self.split:
             raise DataError(
                 f"eval_split={self.eval_split!r} is the training split: evaluation would score the training "
@@ -128,6 +142,7 @@ class DataConfig:
         data_files = None if self.eval_path is not None else self.data_files
         return dataclasses.replace(
             self,
+            streaming=False,  # held-out sets are small: prepared, and read again at no cost
             path=path,
             split=split,
             data_files=data_files,
@@ -188,3 +203,19 @@ class DataConfig:
         if self.prompt_column is not None and self.response_column is not None:
             return (self.prompt_column, self.response_column, *self.template_columns)
         return (self.text_column,)
+
+
+def require_columns(dataset: Any, config: DataConfig) -> None:
+    """Raise a `DataError` naming the first missing column and the columns the dataset does have."""
+    for column in config.columns:
+        if column not in dataset.column_names:
+            if column in config.template_columns:  # checked after the prompt and response columns
+                raise DataError(
+                    f"prompt_template names column {column!r}, not found in dataset {config.path!r} (split "
+                    f"{config.split!r}); its columns are {dataset.column_names} ({{prompt}} is prompt_column)"
+                )
+            role = "text_column" if not config.is_sft else "prompt_column/response_column"
+            raise DataError(
+                f"column {column!r} not found in dataset {config.path!r} (split {config.split!r}); "
+                f"its columns are {dataset.column_names}: set {role} to one of them"
+            )

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pp_offload.data.config import DataConfig
+from pp_offload.data.config import DataConfig, require_columns
 from pp_offload.data.embedded import embedded_assets, embedded_dir
 from pp_offload.data.errors import DataError
 from pp_offload.hub import endpoint as _endpoint
@@ -21,6 +21,8 @@ from pp_offload.hub import hub_reachable as _hub_reachable
 
 if TYPE_CHECKING:
     import datasets
+
+__all__ = ["BUILDERS", "SUFFIX_BUILDERS", "load_examples", "read_error", "require_columns", "source_files"]
 
 #: `datasets` packaged builders a config may name directly (with ``data_files``).
 BUILDERS = ("text", "json", "parquet", "csv")
@@ -67,26 +69,59 @@ def load_examples(config: DataConfig, *, cache_dir: str | os.PathLike | None = N
         raise DataError(f"no such file or directory: {path!r}; {_HINT}")
     else:
         dataset = _load_from_hub(config, datasets_cache)
+    if config.streaming:
+        _require_streamed_columns(dataset, config)
+        return dataset.take(config.max_examples) if config.max_examples is not None else dataset
     require_columns(dataset, config)
     if config.max_examples is not None and config.max_examples < len(dataset):
         dataset = dataset.select(range(config.max_examples))
     return dataset
 
 
-def require_columns(dataset: datasets.Dataset, config: DataConfig) -> None:
-    """Raise a `DataError` naming the first missing column and the columns the dataset does have."""
-    for column in config.columns:
-        if column not in dataset.column_names:
-            if column in config.template_columns:  # checked after the prompt and response columns
-                raise DataError(
-                    f"prompt_template names column {column!r}, not found in dataset {config.path!r} (split "
-                    f"{config.split!r}); its columns are {dataset.column_names} ({{prompt}} is prompt_column)"
-                )
-            role = "text_column" if not config.is_sft else "prompt_column/response_column"
-            raise DataError(
-                f"column {column!r} not found in dataset {config.path!r} (split {config.split!r}); "
-                f"its columns are {dataset.column_names}: set {role} to one of them"
-            )
+def _require_streamed_columns(dataset: datasets.IterableDataset, config: DataConfig) -> None:
+    """`require_columns` for a stream, whose columns a builder may only know after the first row."""
+    if dataset.column_names is None:
+        try:
+            first = next(iter(dataset.take(1)), None)
+        except Exception as error:  # the first read parses the first chunk: a bad line there fails here
+            raise read_error(config, error) from error
+        if first is None:
+            raise DataError(f"the stream of {config.path!r} (split {config.split!r}) is empty")
+
+        class _Row:
+            column_names = list(first)
+
+        require_columns(_Row(), config)
+    else:
+        require_columns(dataset, config)
+
+
+def source_files(config: DataConfig, *, cache_dir: str | os.PathLike | None = None) -> list[Path] | None:
+    """The local files `load_examples` would read for ``config`` (a directory: all its files), or None for a
+    hub dataset. Their paths, sizes and modification times identify the data without reading it."""
+    path = config.path
+    local = Path(path).expanduser()
+    if path == "embedded":
+        return [Path(f) for f in embedded_assets(embedded_dir(cache_dir)).splits.values()]
+    if path in BUILDERS:
+        return _files(config.data_files)
+    if local.is_file():
+        return [local]
+    if local.is_dir():
+        return _files(str(local))  # every file, whichever data_files picks: a superset identifies it too
+    return None
+
+
+def read_error(config: DataConfig, error: Exception) -> DataError:
+    """The `DataError` for a failure while reading a stream (``data.streaming`` reads lazily, so a bad line
+    shows up mid-run): the error, and for JSON files the first malformed line's file and number."""
+    files = source_files(config) or []
+    json_files = [f for f in files if {".json", ".jsonl"} & {s.lower() for s in f.suffixes}]
+    where = _malformed_line("json", json_files) if json_files else None
+    return DataError(
+        f"could not read {config.path!r} (split {config.split!r}): {type(error).__name__}: {error}"
+        + (f"; {where}" if where else "")
+    )
 
 
 def _builder_for(file: Path) -> str:
@@ -117,7 +152,12 @@ def _load_local(
 
     try:
         return datasets.load_dataset(
-            builder, config.name, data_files=data_files, split=config.split, cache_dir=cache_dir
+            builder,
+            config.name,
+            data_files=data_files,
+            split=config.split,
+            cache_dir=cache_dir,
+            streaming=config.streaming,
         )
     except Exception as error:  # datasets raises many types (FileNotFoundError, ValueError, ArrowInvalid...)
         where = _malformed_line(builder, data_files) or _root_cause(error)
@@ -204,7 +244,12 @@ def _load_from_hub(config: DataConfig, cache_dir: str | None) -> datasets.Datase
         raise DataError(f"{unreachable} (to use a copy in your Hugging Face cache, set HF_HUB_OFFLINE=1)")
     try:
         return datasets.load_dataset(
-            config.path, config.name, data_files=config.data_files, split=config.split, cache_dir=cache_dir
+            config.path,
+            config.name,
+            data_files=config.data_files,
+            split=config.split,
+            cache_dir=cache_dir,
+            streaming=config.streaming,
         )
     except ConnectionError as error:  # includes huggingface_hub's OfflineModeIsEnabled
         raise DataError(unreachable) from error

@@ -11,26 +11,68 @@ by the loss) where the target is the first token of a new document (nothing in t
 as in transformers' ``DataCollatorWithFlattening``) and, for supervised fine-tuning, where the target is a
 prompt token, so only responses (and their eos) are learned.
 
-The stream is held in memory as numpy arrays: fine for fine-tuning sized data (a billion tokens is ~8 GB).
+The stream is cut a chunk of documents at a time (`pp_offload.data.blocks.Packer`), so memory does not grow
+with the data; `pp_offload.data.prepared` writes the blocks to a shared, memory-mapped cache.
+
+Rows with nothing to learn are skipped and counted (`SkipCounts`): an empty or null text, or in supervised
+fine-tuning an empty or null response (a prompt alone would teach only the eos).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pp_offload.data.config import PROMPT_FIELD, DataConfig
+from pp_offload.data.blocks import IGNORE_INDEX, PACKED_COLUMNS, Packer
+from pp_offload.data.config import PROMPT_FIELD, DataConfig, require_columns
 from pp_offload.data.errors import DataError
-from pp_offload.data.loading import require_columns
 
 if TYPE_CHECKING:
     import datasets
+    import pyarrow as pa
 
-#: Label value ignored by `torch.nn.functional.cross_entropy` (its default ``ignore_index``).
-IGNORE_INDEX = -100
-#: Columns of a packed dataset, each a list of ``seq_len`` ints per block.
-PACKED_COLUMNS = ("input_ids", "labels", "position_ids")
+__all__ = [
+    "IGNORE_INDEX",
+    "PACKED_COLUMNS",
+    "SkipCounts",
+    "format_examples",
+    "pack_examples",
+    "pack_tokenized",
+    "tokenize_batch",
+    "tokenize_examples",
+]
+
+#: Rows of tokenized documents read at a time while packing: bounds packing's memory.
+CHUNK_ROWS = 16_384
+#: Why a row is skipped, by the code `tokenize_examples` writes in its ``skip`` column (0: kept).
+SKIP_REASONS = {1: "empty or null text", 2: "empty or null response"}
+
+
+@dataclass
+class SkipCounts:
+    """Rows read and rows skipped by reason: reported once per run, e.g. "skipped 12 of 2,000 rows:
+    empty response"."""
+
+    rows: int = 0
+    skipped: dict[str, int] | None = None
+
+    def add(self, codes: np.ndarray) -> None:
+        self.rows += len(codes)
+        found = np.bincount(np.asarray(codes, np.int64), minlength=len(SKIP_REASONS) + 1)
+        self.skipped = dict(self.skipped or {})
+        for code, reason in SKIP_REASONS.items():
+            if found[code]:
+                self.skipped[reason] = self.skipped.get(reason, 0) + int(found[code])
+
+    def note(self) -> str | None:
+        """One line saying how many rows were skipped and why, or None when none was."""
+        if not self.skipped:
+            return None
+        reasons = ", ".join(self.skipped)
+        return f"skipped {sum(self.skipped.values()):,} of {self.rows:,} rows: {reasons}"
 
 
 def pack_examples(examples: datasets.Dataset, tokenizer: Any, config: DataConfig) -> datasets.Dataset:
@@ -42,24 +84,67 @@ def pack_examples(examples: datasets.Dataset, tokenizer: Any, config: DataConfig
     tokenized apart, so the boundary between masked and learned tokens falls exactly between two tokens.
     Examples whose texts are all empty or missing (None) are skipped. The incomplete tail block is dropped.
     """
+    tokenized = tokenize_examples(examples, tokenizer, config)
+    import datasets
+    import pyarrow as pa
+
+    batches = list(pack_tokenized(tokenized, config.seq_len, SkipCounts()))
+    return datasets.Dataset(pa.Table.from_batches(batches).select(list(PACKED_COLUMNS)))
+
+
+def tokenize_examples(
+    examples: datasets.Dataset,
+    tokenizer: Any,
+    config: DataConfig,
+    *,
+    num_proc: int | None = None,
+    cache_file_name: str | None = None,
+) -> datasets.Dataset:
+    """One row per example: its token ids ``ids`` (prompt + response + eos, int32), ``n_prompt`` (masked
+    prompt tokens) and ``skip`` (0, or the `SKIP_REASONS` code of a row with nothing to learn, whose ids are
+    empty). ``num_proc`` processes tokenize in parallel (`datasets.Dataset.map`)."""
+    import datasets
+
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise DataError("the tokenizer has no eos token; packing needs one to separate documents")
     require_columns(examples, config)
     _check_chat_template(tokenizer, config)
-    tokenized = examples.map(
-        _tokenize,
+    features = datasets.Features(
+        {
+            "ids": datasets.Sequence(datasets.Value("int32")),
+            "n_prompt": datasets.Value("int32"),
+            "skip": datasets.Value("int8"),
+        }
+    )
+    return examples.map(
+        tokenize_batch,
         batched=True,
         remove_columns=examples.column_names,
         fn_kwargs={"tokenizer": tokenizer, "config": config, "eos": int(eos)},
+        features=features,
+        num_proc=num_proc if num_proc and num_proc > 1 else None,
+        cache_file_name=cache_file_name,
         desc="Tokenizing",
     )
-    table = tokenized.with_format("arrow")[:]
-    ids = table.column("ids").combine_chunks()
-    stream = ids.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-    lengths = ids.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
-    prompt_lengths = table.column("n_prompt").to_numpy().astype(np.int64)
-    return _blocks(stream, lengths, prompt_lengths, config.seq_len)
+
+
+def pack_tokenized(
+    tokenized: datasets.Dataset, seq_len: int, counts: SkipCounts, *, chunk_rows: int = CHUNK_ROWS
+) -> Iterator[pa.RecordBatch]:
+    """The blocks of `tokenize_examples`' rows, a chunk of rows at a time (memory: one chunk), counting the
+    skipped rows into ``counts``. Raises a `DataError` at the end if they fill no block."""
+    packer = Packer(seq_len)
+    for chunk in tokenized.with_format("arrow").iter(batch_size=chunk_rows):
+        codes = chunk.column("skip").to_numpy(zero_copy_only=False)
+        counts.add(codes)
+        kept = (
+            chunk.filter(chunk.column("skip").to_numpy(zero_copy_only=False) == 0) if codes.any() else chunk
+        )
+        blocks = packer.add(kept.column("ids"), kept.column("n_prompt").to_numpy(zero_copy_only=False))
+        if blocks is not None:
+            yield blocks
+    packer.check()
 
 
 def format_examples(
@@ -100,8 +185,8 @@ def _tokenizer_name(tokenizer: Any) -> str:
 def _texts(batch: dict[str, list], config: DataConfig, tokenizer: Any) -> tuple[list[str | None], list[str]]:
     """Each example's prompt text (None: skip the example) and response text, templates applied.
 
-    Plain text has an empty prompt. An example is skipped when its prompt and response (or its text) are both
-    empty or missing, before any template is applied.
+    Plain text has an empty prompt. An example is skipped when its text, or in supervised fine-tuning its
+    response, is empty or missing (None): it has nothing to learn. Templates apply to the kept ones only.
     """
     if config.prompt_column is None or config.response_column is None:
         texts = [text or "" for text in batch[config.text_column]]
@@ -110,7 +195,7 @@ def _texts(batch: dict[str, list], config: DataConfig, tokenizer: Any) -> tuple[
     responses = [text or "" for text in batch[config.response_column]]
     prompts: list[str | None] = []
     for i, (prompt, response) in enumerate(zip(raw_prompts, responses, strict=True)):
-        if not (prompt or response):
+        if not response:
             prompts.append(None)
         elif config.prompt_template is not None:
             values = {column: _text(batch[column][i]) for column in config.template_columns}
@@ -144,53 +229,39 @@ def _chat(tokenizer: Any, prompt: str, response: str) -> tuple[str, str]:
     return head, full[len(head) :]
 
 
-def _tokenize(batch: dict[str, list], tokenizer: Any, config: DataConfig, eos: int) -> dict[str, list]:
-    """Token ids of each document (prompt + response + eos) and how many of them are prompt tokens."""
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens. A fast tokenizer's Rust backend is called directly (the
+    ids `tokenizer(texts)` gives, without the per-text Python conversion or the offsets it would compute:
+    about twice the speed), unless the backend itself truncates or pads."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # tokenizers >= 0.21: no offsets
+        return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
-    def encode(texts: list[str]) -> list[list[int]]:
-        return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+
+def tokenize_batch(batch: dict[str, list], tokenizer: Any, config: DataConfig, eos: int) -> dict[str, list]:
+    """Each example's token ids (prompt + response + eos), how many are prompt tokens, and its skip code."""
 
     prompts, responses = _texts(batch, config, tokenizer)
     kept = [i for i, prompt in enumerate(prompts) if prompt is not None]
-    # Tokenized apart so the prompt/response boundary falls exactly between two tokens.
-    prompt_ids = encode([prompts[i] or "" for i in kept]) if config.is_sft else [[] for _ in kept]
-    response_ids = encode([responses[i] for i in kept])
-    out: dict[str, list] = {"ids": [], "n_prompt": []}
-    for prompt, response in zip(prompt_ids, response_ids, strict=True):
-        if prompt or response:
-            out["ids"].append([*prompt, *response, eos])
-            out["n_prompt"].append(len(prompt))
+    # Tokenized apart so the prompt/response boundary falls exactly between two tokens (in one call).
+    if config.is_sft:
+        ids = _encode(tokenizer, [prompts[i] or "" for i in kept] + [responses[i] for i in kept])
+        prompt_ids, response_ids = ids[: len(kept)], ids[len(kept) :]
+    else:
+        prompt_ids, response_ids = [[] for _ in kept], _encode(tokenizer, [responses[i] for i in kept])
+    code = 2 if config.is_sft else 1
+    out: dict[str, list] = {
+        "ids": [[] for _ in prompts],
+        "n_prompt": [0] * len(prompts),
+        "skip": [code] * len(prompts),
+    }
+    for i, prompt, response in zip(kept, prompt_ids, response_ids, strict=True):
+        if prompt or response:  # a text of only whitespace a tokenizer drops is skipped too
+            out["ids"][i] = [*prompt, *response, eos]
+            out["n_prompt"][i] = len(prompt)
+            out["skip"][i] = 0
     return out
-
-
-def _blocks(
-    stream: np.ndarray, lengths: np.ndarray, prompt_lengths: np.ndarray, seq_len: int
-) -> datasets.Dataset:
-    """Cut the token stream of documents with ``lengths`` into blocks (see the module docstring)."""
-    import datasets
-    import pyarrow as pa
-
-    n_tokens, L = len(stream), seq_len
-    n_blocks = (n_tokens - 1) // L if n_tokens > 0 else 0
-    if n_blocks == 0:
-        raise DataError(
-            f"too little data: {n_tokens} tokens in {len(lengths)} documents after tokenization, but "
-            f"seq_len={L} needs at least {L + 1} for one block; add data or lower seq_len"
-        )
-    doc_starts = np.cumsum(lengths) - lengths
-    offset_in_doc = np.arange(n_tokens) - np.repeat(doc_starts, lengths)
-    # A target is learned unless it opens a document or belongs to a prompt (the first token is both in SFT).
-    learned = (offset_in_doc > 0) & (offset_in_doc >= np.repeat(prompt_lengths, lengths))
-
-    column = np.arange(L)
-    index = np.arange(n_blocks)[:, None] * L + column[None, :]
-    input_ids = stream[index]
-    labels = np.where(learned[index + 1], stream[index + 1], IGNORE_INDEX)
-    position_ids = np.minimum(offset_in_doc[index], column[None, :])  # restart at the block start too
-
-    def as_lists(matrix: np.ndarray) -> pa.Array:
-        return pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1).astype(np.int32)), L)
-
-    matrices = (input_ids, labels, position_ids)
-    table = pa.table({name: as_lists(m) for name, m in zip(PACKED_COLUMNS, matrices, strict=True)})
-    return datasets.Dataset(table)

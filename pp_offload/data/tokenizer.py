@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,35 +91,80 @@ def training_texts(examples: datasets.Dataset, config: DataConfig) -> Iterator[s
 
 
 def trained_tokenizer(
-    examples: datasets.Dataset,
+    examples: datasets.Dataset | Callable[[], datasets.Dataset],
     config: DataConfig,
     out_dir: str | os.PathLike[str],
     *,
     vocab_size: int,
     keep_existing: bool = False,
+    data_key: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> PreTrainedTokenizerFast:
     """The byte-level BPE tokenizer of ``examples`` (as ``config`` formats them), saved in
     ``<out_dir>/tokenizer``: trained there unless that directory already holds one trained on the same
     texts with the same ``vocab_size`` (or any complete one, with ``keep_existing``: a resumed run).
+
+    ``data_key`` (a hash of the data's files and of ``config``'s columns and template:
+    `pp_offload.data.prepared.data_identity`) identifies the texts without reading them, and with
+    ``cache_dir`` the build is shared: kept in ``<cache_dir>/tokenizer-<hash>`` and copied into each output
+    directory, so a new run on the same data trains nothing. ``examples`` may be a function that loads them:
+    it is called only when a tokenizer must be trained (or, without ``data_key``, its texts hashed).
 
     Safe to call from several processes at once: they train the same tokenizer and the first to publish
     wins."""
     from transformers import AutoTokenizer
 
     final = Path(out_dir) / "tokenizer"
+    loaded: list[datasets.Dataset] = []
+
+    def load() -> datasets.Dataset:
+        if not loaded:
+            loaded.append(examples() if callable(examples) else examples)
+        return loaded[0]
+
     if not (keep_existing and _stamp(final) is not None):
-        digest = hashlib.sha256()
-        count = 0
-        for text in training_texts(examples, config):
-            digest.update(text.encode("utf-8", "surrogatepass"))
-            digest.update(b"\0")
-            count += 1
-        if count == 0:
-            raise DataError(f"no text to train a tokenizer on in {config.path!r} (split {config.split!r})")
-        identity = {"format": FORMAT_VERSION, "vocab_size": vocab_size, "texts_sha256": digest.hexdigest()}
+        if data_key is not None:
+            identity = {"format": FORMAT_VERSION, "vocab_size": vocab_size, "data_key": data_key}
+        else:
+            identity = {
+                "format": FORMAT_VERSION,
+                "vocab_size": vocab_size,
+                "texts_sha256": _texts_sha(load(), config),
+            }
         if _stamp(final) != identity:
-            _build(examples, config, final, identity, count)
+            if data_key is not None and cache_dir is not None:
+                name = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+                shared = Path(cache_dir).expanduser() / f"tokenizer-{name}"
+                if _stamp(shared) != identity:
+                    _build(load(), config, shared, identity)
+                _copy(shared, final, identity)
+            else:
+                _build(load(), config, final, identity)
     return AutoTokenizer.from_pretrained(str(final))
+
+
+def _texts_sha(examples: datasets.Dataset, config: DataConfig) -> str:
+    digest = hashlib.sha256()
+    count = 0
+    for text in training_texts(examples, config):
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        digest.update(b"\0")
+        count += 1
+    if count == 0:
+        raise DataError(f"no text to train a tokenizer on in {config.path!r} (split {config.split!r})")
+    return digest.hexdigest()
+
+
+def _copy(shared: Path, final: Path, identity: dict) -> None:
+    """Publish a copy of the shared build ``shared`` as ``final`` (atomically, like a build)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        shutil.copytree(shared, tmp, dirs_exist_ok=True)
+        tmp.chmod(0o755)
+        publish_once(tmp, final, lambda path: _stamp(path) == identity)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _stamp(final: Path) -> dict[str, Any] | None:
@@ -128,17 +173,28 @@ def _stamp(final: Path) -> dict[str, Any] | None:
         stamp = json.loads((final / _STAMP_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return {k: stamp.get(k) for k in ("format", "vocab_size", "texts_sha256")}
+    keys = ("format", "vocab_size", "data_key" if "data_key" in stamp else "texts_sha256")
+    return {k: stamp.get(k) for k in keys}
 
 
-def _build(examples: datasets.Dataset, config: DataConfig, final: Path, identity: dict, count: int) -> None:
+def _build(examples: datasets.Dataset, config: DataConfig, final: Path, identity: dict) -> None:
     import tokenizers
 
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         tmp.chmod(0o755)
-        tokenizer = train_tokenizer(training_texts(examples, config), vocab_size=identity["vocab_size"])
+        count = 0
+
+        def texts() -> Iterator[str]:
+            nonlocal count
+            for text in training_texts(examples, config):
+                count += 1
+                yield text
+
+        tokenizer = train_tokenizer(texts(), vocab_size=identity["vocab_size"])
+        if count == 0:
+            raise DataError(f"no text to train a tokenizer on in {config.path!r} (split {config.split!r})")
         tokenizer.save_pretrained(str(tmp))
         stamp = {**identity, "texts": count, "data": config.path, "tokenizers": tokenizers.__version__}
         (tmp / _STAMP_FILE).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")

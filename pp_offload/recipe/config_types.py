@@ -66,6 +66,7 @@ RANGES: dict[str, Range] = {
     "data.seq_len": _POSITIVE,
     "data.max_examples": _POSITIVE,
     "data.eval_max_examples": _POSITIVE,
+    "data.num_proc": _POSITIVE,
     "model.tokenizer_vocab_size": Range(257),
     "pipeline.microbatches": _POSITIVE,
     "pipeline.pp": _POSITIVE,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from pp_offload.recipe import cli
 from pp_offload.recipe.config import ConfigError, RecipeConfig
@@ -109,9 +108,12 @@ def _check_nodes(args: argparse.Namespace) -> None:
         raise ConfigError("--master-addr (static rendezvous) needs --node-rank on every node")
 
 
-def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | None = None) -> str | None:
+def check_before_launch(
+    config: RecipeConfig, world: int, *, per_node: int | None = None, check_only: bool = True
+) -> str | None:
     """Every check of a run on ``world`` processes (``per_node`` of them on this node; default: all) that
-    needs no process group, as rank 0 would make it.
+    needs no process group, as rank 0 would make it; unless ``check_only``, also the data's preparation
+    (`pp_offload.data.prepared`), so no rank waits for it.
 
     Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`, `CheckpointReadError`);
     returns the line the ranks will print about the output dir's checkpoints (a resume), or None."""
@@ -119,6 +121,7 @@ def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | Non
     from pp_offload.recipe.model_loading import check_config_model, hf_config_of, num_layers_of
     from pp_offload.recipe.preflight import preflight
     from pp_offload.recipe.run_checks import check_checkpoints, check_positions
+    from pp_offload.recipe.run_data import data_cache, prepare_data
     from pp_offload.recipe.sources import check_model_sources, load_tokenizer
     from pp_offload.recipe.topology import topology
     from pp_offload.recipe.train import _check
@@ -150,24 +153,27 @@ def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | Non
     quiet = datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # the error, if any, is the one line on stderr
     try:
-        cache = (
-            Path(config.output.dir) / "cache"
-        )  # the ranks' cache (train.run): what is built here is reused
+        cache = data_cache(config)  # the ranks' cache (train.run): what is prepared here is reused
         examples = load_examples(config.data, cache_dir=cache)
         embedded = None
         if config.data.path == "embedded":
             embedded = embedded_assets(embedded_dir(cache)).tokenizer_dir
-        tokenizer = load_tokenizer(config, embedded, examples)
+        tokenizer = load_tokenizer(config, embedded, examples, cache=cache)
         check_config_model(config, tokenizer, pipelined=topo.distributed)
         if topo.distributed:  # what the ranks build before step 1 (pp_offload.recipe.dry_build)
             from pp_offload.recipe.dry_build import dry_build
 
             print(dry_build(config, topo, tokenizer).summary(), flush=True)
+        if not (check_only or config.data.streaming):  # prepared once here; the ranks memory-map it
+            prepare_data(config, config.data, tokenizer, cache, examples)
         if config.data.has_eval:
             from pp_offload.data import DataError
 
             try:
-                load_examples(config.data.eval_config(), cache_dir=cache)
+                eval_data = config.data.eval_config()
+                load_examples(eval_data, cache_dir=cache)
+                if not check_only:
+                    prepare_data(config, eval_data, tokenizer, cache)
             except DataError as error:
                 raise ConfigError(f"evaluation data (data.eval_split / data.eval_path): {error}") from error
     finally:
@@ -176,15 +182,17 @@ def check_before_launch(config: RecipeConfig, world: int, *, per_node: int | Non
     return resume
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace) -> int:
+    """0 when the config passes `check_before_launch` (and the data is prepared, unless ``--check``), else
+    the exit code after printing the one-line error. With ``--check`` it also prints the verdict, the
+    warm-up warning and what a launch would do with the output dir's checkpoints."""
     from pp_offload.recipe.checkpoint import CheckpointReadError
-    from pp_offload.recipe.signals import run_forwarding_signals
 
     world = args.nproc_per_node * args.nnodes
     try:
         _check_nodes(args)
         config = cli.config_from_args(args)
-        resume = check_before_launch(config, world, per_node=args.nproc_per_node)
+        resume = check_before_launch(config, world, per_node=args.nproc_per_node, check_only=args.check)
     except cli.CONFIGURATION_ERRORS as error:
         cli.report_configuration_error(error, "0")
         return 2
@@ -199,7 +207,30 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"finetune: configuration ok for {world} process(es)")
         if resume:  # what a launch would do with the output dir's checkpoints
             print(resume.replace("finetune: resumed", "finetune: would resume", 1))
-        return 0
+    return 0
+
+
+def _check_in_child(args: argparse.Namespace) -> int:
+    """`_check` in a forked child: the checks and the data's preparation import datasets and transformers
+    and build tokenizers and tables, hundreds of MB this launcher would otherwise hold while the ranks
+    train. The child's exit code is `_check`'s (1 with a traceback for an unexpected error)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(_check(args)), daemon=True)
+    child.start()
+    child.join()
+    code = child.exitcode if child.exitcode is not None else 1
+    return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + signal number
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from pp_offload.recipe.signals import run_forwarding_signals
+
+    world = args.nproc_per_node * args.nnodes
+    launch = world > 1 and not args.check
+    code = _check_in_child(args) if launch else _check(args)
+    if code or args.check:
+        return code
     argv = cli.recipe_argv(args)
     if world == 1:
         return cli.main(argv)

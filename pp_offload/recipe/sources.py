@@ -113,25 +113,41 @@ def _check_tokenizer_dir(value: str) -> None:
         )
 
 
-def load_tokenizer(config: RecipeConfig, embedded_tokenizer: Path | None, examples: Any = None) -> Any:
+def load_tokenizer(
+    config: RecipeConfig, embedded_tokenizer: Path | None, examples: Any = None, *, cache: Path | None = None
+) -> Any:
     """The tokenizer: ``model.tokenizer``, else ``model.path``, else the embedded one. With
-    ``model.tokenizer: train``, the byte-level BPE of the training ``examples``
-    (`pp_offload.data.tokenizer.trained_tokenizer`, kept in ``<output.dir>/tokenizer``)."""
+    ``model.tokenizer: train``, the byte-level BPE of the training ``examples`` (a dataset, or a function
+    loading it: called only if a tokenizer must be trained), kept in ``<output.dir>/tokenizer`` and shared
+    through the data cache (``cache``: the run's data cache root) by every run on the same data
+    (`pp_offload.data.tokenizer.trained_tokenizer`)."""
     from transformers import AutoTokenizer
 
     if config.model.tokenizer == TRAIN_TOKENIZER:
         from pp_offload.data import DataError
+        from pp_offload.data.prepared import data_cache_root, data_identity, data_key
         from pp_offload.data.tokenizer import trained_tokenizer
 
         if examples is None:
             raise ValueError("model.tokenizer=train needs the training examples")
+        if config.data.streaming:
+            raise ConfigError(
+                "model.tokenizer=train reads all the data to train a tokenizer, data.streaming never does: "
+                "train one once (pp_offload.data.tokenizer.train_tokenizer on a sample, then "
+                "save_pretrained) and set model.tokenizer to its directory, or prepare the data "
+                "(data.streaming: false)"
+            )
         try:
+            loader = examples if callable(examples) else (lambda: examples)
+            key = data_key(data_identity(config.data, cache_dir=cache, examples=loader))
             return trained_tokenizer(
                 examples,
                 config.data,
                 config.output.dir,
                 vocab_size=config.model.tokenizer_vocab_size,
                 keep_existing=config.output.resume,
+                data_key=key,
+                cache_dir=data_cache_root(cache),
             )
         except DataError as error:
             raise ConfigError(f"model.tokenizer=train: {error}") from error

@@ -43,15 +43,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pp_offload.data import (
-    DataConfig,
-    DataError,
-    PackedBatches,
-    embedded_assets,
-    embedded_dir,
-    load_examples,
-    pack_examples,
-)
 from pp_offload.data.batches import to_device
 from pp_offload.models import TokenCrossEntropy, export_pretrained, router_aux_of
 from pp_offload.models.evaluate import EvalResult, evaluate_model, evaluate_pipeline
@@ -67,7 +58,8 @@ from pp_offload.recipe.preempt import StopRequest
 from pp_offload.recipe.preflight import preflight
 from pp_offload.recipe.resume import ResumePlan, plan_resume
 from pp_offload.recipe.run_checks import check_positions
-from pp_offload.recipe.sources import check_model_sources, load_tokenizer
+from pp_offload.recipe.run_data import RunData, data_cache, run_data
+from pp_offload.recipe.sources import check_model_sources
 from pp_offload.recipe.stops import EXIT_STALLED, NonFiniteSteps
 from pp_offload.recipe.timeline import StepTimeline
 from pp_offload.recipe.topology import Topology, device_for, init_process_group, restart_count, topology
@@ -134,53 +126,6 @@ def _check(config: RecipeConfig) -> None:
     unknown = set(config.output.metrics) - {"csv", "tensorboard"}
     if unknown:
         raise ConfigError(f"output.metrics may hold csv and tensorboard, got {sorted(unknown)}")
-
-
-@dataclass
-class _Data:
-    tokenizer: Any
-    batches: PackedBatches
-    eval_batches: list[dict[str, torch.Tensor]] | None
-
-
-def _data(config: RecipeConfig, topo: Topology, cache: Path) -> _Data:
-    """Tokenizer, training batches and the held-out batches (every rank; the embedded assets and datasets'
-    cache are safe to share)."""
-    data: DataConfig = config.data
-    if topo.rank != 0:  # one progress bar per job, not one per rank
-        import datasets
-
-        datasets.disable_progress_bars()
-    tokenizer_dir = None
-    if data.path == "embedded":
-        tokenizer_dir = embedded_assets(embedded_dir(cache)).tokenizer_dir
-    examples = load_examples(data, cache_dir=cache)
-    tokenizer = load_tokenizer(config, tokenizer_dir, examples)  # model.tokenizer: train learns the examples
-    packed = pack_examples(examples, tokenizer, data)
-    batches = PackedBatches(
-        packed, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=config.train.seed
-    )
-    held_out = None
-    if data.has_eval:
-        held_out = _eval_batches(config, topo, tokenizer, cache)
-    return _Data(tokenizer, batches, held_out)
-
-
-def _eval_batches(config: RecipeConfig, topo: Topology, tokenizer: Any, cache: Path) -> list[dict[str, Any]]:
-    """The first ``train.eval_batches`` global batches of the held-out blocks (all of them by default),
-    in a fixed order, each data-parallel rank its slice: every evaluation scores the same tokens."""
-    eval_data = config.data.eval_config()
-    try:
-        packed = pack_examples(load_examples(eval_data, cache_dir=cache), tokenizer, eval_data)
-        held_out = PackedBatches(
-            packed, config.train.global_batch_size, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=0
-        )
-    except DataError as error:
-        raise ConfigError(f"evaluation data (data.eval_split / data.eval_path): {error}") from error
-    count = len(held_out)
-    if config.train.eval_batches is not None:
-        count = min(count, config.train.eval_batches)
-    return [held_out.batch(i) for i in range(count)]
 
 
 def _peak_memory_mib(device: torch.device) -> float:
@@ -314,7 +259,7 @@ def run(
     topo = topology(config)
     device = device_for(config, topo)
     out = Path(config.output.dir)
-    cache = Path(cache_dir) if cache_dir is not None else out / "cache"
+    cache = data_cache(config, cache_dir)
     if topo.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if warning := warmup_warning(config):
@@ -322,7 +267,7 @@ def run(
     check_model_sources(config)
     preflight(config, topo, num_layers_of(config) if topo.distributed else None)
     check_positions(config, hf_config_of(config))
-    data = _data(config, topo, cache)  # before the group exists: a bad dataset stops every rank alike
+    data = run_data(config, topo, cache)  # before the group exists: a bad dataset stops every rank alike
     layout = {"pp": topo.pp, "dp": topo.dp}
     plan = plan_resume(config, out / "checkpoints", restarts=restart_count(), layout=layout)  # the same
     created = init_process_group(config, topo, device)
@@ -338,9 +283,9 @@ def _run(
     topo: Topology,
     device: torch.device,
     out: Path,
-    cache: Path,
+    cache: Path | None,
     progress: bool,
-    data: _Data,
+    data: RunData,
     plan: ResumePlan,
 ) -> RunResult:
     tokenizer, batches = data.tokenizer, data.batches
@@ -573,7 +518,7 @@ def _run(
 
 def _evaluate(
     config: RecipeConfig,
-    data: _Data,
+    data: RunData,
     pipeline: Pipeline | None,
     module: nn.Module,
     device: torch.device,
