@@ -176,7 +176,7 @@ def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str], o
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_check_is_one_line_and_exit_2_before_any_rank(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     extra, setup, line = CASES[name]
     out = tmp_path / "run"
@@ -184,7 +184,8 @@ def test_each_check_is_one_line_and_exit_2_before_any_rank(
         setup(out)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id never reaches the network here
     assert _launch(tmp_path, monkeypatch, extra, out, check=False) == 2
-    err = capsys.readouterr().err.strip()
+    # a launch (not --check) checks in a forked child (launcher._check_in_child): its stderr is the fd's
+    err = capfd.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("finetune: ") and re.search(line, err), err
     assert not (out / "marker").exists()  # nothing of a tampered file ran
