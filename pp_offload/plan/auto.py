@@ -62,8 +62,7 @@ from pp_offload.plan.evaluate import (
     StageProfile,
     build_orders,
     chunk_pass_times,
-    combine,
-    evaluate_orders,
+    predict,
     simulation_sizes,
     stage_pass_costs,
 )
@@ -296,7 +295,7 @@ def choose(
                 found = _adaptive(setup, meas, m, judged, budget)
             else:
                 orders = build_orders(
-                    setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
+                    setup, simulation_sizes(d, m, name), search=resolve_search("auto", d), virtual_stages=2
                 )
                 found = [_judge(setup, orders, meas, m, policy, budget) for policy in judged]
             candidates += [replace(c, recompute=mode) for c in found]
@@ -692,8 +691,7 @@ def _judge(
     name, limit = setup.schedule, setup.memory_limit
     if orders.error is not None:
         return AutoCandidate(name, policy, limit, None, [], False, problem=orders.error)
-    results = evaluate_orders(setup, orders, policy, synchronous_copies=not measurement.copies_overlap)
-    combined = combine(results, m)
+    combined, results = predict(setup, orders, policy, m, synchronous_copies=not measurement.copies_overlap)
     step_ms = combined["makespan"]
     if not measurement.copies_overlap:
         # synchronous copies run on the compute thread: the busiest rank's copies lengthen the step
@@ -729,7 +727,7 @@ def _adaptive(
     for cap in range(reference, 1, -1):
         setup.memory_cap, setup.memory_limit = float(cap), cap / reference
         orders = build_orders(
-            setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
+            setup, simulation_sizes(d, m, setup.schedule), search=resolve_search("auto", d), virtual_stages=2
         )
         for policy in policies:
             if policy in found and found[policy].fits:

@@ -38,8 +38,7 @@ from pp_offload.plan.evaluate import (
     Setup,
     build_orders,
     choose_adaptive_limit,
-    combine,
-    evaluate_orders,
+    predict,
     setup_schedule,
     simulation_sizes,
 )
@@ -574,7 +573,9 @@ def _evaluate_mode(names, policies, common, limit_bytes, mode, jobs, evaluate_do
                     )
                     for label, _ in policies
                 ],
-                _details(setups[name], None, simulation_sizes(common["pp"], common["num_microbatches"])),
+                _details(
+                    setups[name], None, simulation_sizes(common["pp"], common["num_microbatches"], name)
+                ),
             )
             bar.update(len(policies))
     tasks = [n for n in names if n not in alias and n not in results]
@@ -634,7 +635,7 @@ def _evaluate_schedule(
 ) -> tuple[list[Candidate], dict[str, Any]]:
     """One schedule: build its orders once, replay them under every offload policy (after the first that
     fits without offload, only with ``evaluate_dominated``: offload never makes an order faster)."""
-    sizes = simulation_sizes(setup.layout.num_ranks, num_microbatches)
+    sizes = simulation_sizes(setup.layout.num_ranks, num_microbatches, setup.schedule)
     orders = None
     if setup.problem is None:
         orders = build_orders(setup, sizes, search=mode, virtual_stages=virtual_stages)
@@ -651,7 +652,8 @@ def _evaluate_schedule(
             cand.skipped = "fits without offload, which is never slower"
         else:
             try:
-                _fill(cand, setup, evaluate_orders(setup, orders, policy), num_microbatches, limit_bytes)
+                summary, _ = predict(setup, orders, policy, num_microbatches)
+                _fill(cand, setup, summary, limit_bytes)
             except Exception as e:  # one failing replay must not sink the plan
                 cand.error = f"{type(e).__name__}: {e}"
             fits_plain = fits_plain or (label == "none" and cand.error is None and cand.fits)
@@ -668,11 +670,11 @@ def _order_key(setup: Setup, common: dict[str, Any]) -> tuple | None:
     d = setup.layout.num_ranks
     caps = {"ScheduleVMin": vshape.v_min_cap(d), "ScheduleVHalf": vshape.v_half_cap(d), "ScheduleVZB": 2 * d}
     cap = caps.get(setup.schedule, setup.memory_cap)
-    return (float(cap), setup.costs, tuple(simulation_sizes(d, common["num_microbatches"])), setup.recompute)
+    sizes = simulation_sizes(d, common["num_microbatches"], setup.schedule)
+    return (float(cap), setup.costs, tuple(sizes), setup.recompute)
 
 
-def _fill(cand: Candidate, setup: Setup, results, num_microbatches: int, limit_bytes: int) -> None:
-    summary = combine(results, num_microbatches)
+def _fill(cand: Candidate, setup: Setup, summary: dict[str, Any], limit_bytes: int) -> None:
     cand.pipeline_time = summary["makespan"]
     cand.bubble = summary["bubble"]
     cand.peak_units = summary["peak_units"]
@@ -709,7 +711,7 @@ def _details(setup: Setup, orders, sizes: list[int]) -> dict[str, Any]:
         "stage_times_s": [asdict(st.times) for st in setup.stages],
         "memory_cap_units": setup.memory_cap,
         "memory_limit": setup.memory_limit,
-        "simulated_microbatches": sizes,
+        "simulated_microbatches": sizes + ([orders.exact.sizes[0]] if orders and orders.exact else []),
         "order_seconds": orders.build_seconds if orders else 0.0,
         "problem": setup.problem or (orders.error if orders else None),
     }
@@ -884,8 +886,9 @@ def _assumptions(spec: ModelSpec, dtype: str, mode: str, dp: int, dp_shard: bool
         "torch keeps a receive buffer per microbatch for each stage's input and output gradient; "
         "step(..., return_outputs=False) assumed (else the last stage keeps every microbatch's logits)",
         "loss computed after the last stage's forward (its fp32 log-probabilities are not offloaded)",
-        f"our V orders built with search={mode!r}; step time extrapolated from 2*pp and 3*pp microbatches "
-        "when m > 4*pp",
+        f"our V orders built with search={mode!r}; step times from the orders of all m microbatches, "
+        "or, past the planner's time budget, extrapolated from three sizes a whole steady-phase period "
+        "apart after checking the phase is reached (pp_offload.plan.evaluate.simulation_sizes)",
     ]
     if dp > 1:
         notes.append(
