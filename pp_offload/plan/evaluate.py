@@ -29,14 +29,15 @@ The steps, for each schedule:
    whenever that fits the time budget (`EXACT_BUDGET_S` per order, priced per compute action by
    `SECONDS_PER_ACTION`, measured); the step time, bubble and peaks are then those of the exact replay.
    Above it (very large ``m`` x pp), orders are built at three sizes a whole number of the schedules'
-   steady-phase periods apart (`steady_period`: torch's interleaved schedules run rounds of pp microbatches, the
-   others repeat per microbatch or per pair), each congruent to ``m`` modulo that period, and the step time
-   is extrapolated from the last size with the slope of the last interval only where the steady phase is
-   shown to be reached (`combine`): equal slopes over the two intervals, equal peaks at the last two
-   sizes, and an extrapolated step no shorter than the busiest rank's compute at ``m`` (the compute lower
-   bound; compute per microbatch is the same at every size, so the busy time scales exactly). Where a check
-   fails, `predict` builds the order for ``m`` itself. The bubble is then never negative: `combine` raises
-   AssertionError, rather than clamp, if it ever were.
+   steady-phase periods apart (`steady_period`: torch's interleaved schedules run rounds of pp
+   microbatches, the others repeat per microbatch or per pair), each congruent to ``m`` modulo that
+   period, and the step time is extrapolated from the last size with the slope of the last interval only
+   where the steady phase is shown to be reached (`combine`): equal slopes over the two intervals, no
+   lower than the busiest rank's compute over an interval (a lower slope means a warm-up bubble is still
+   being filled), equal peaks at the last two sizes, and an extrapolated step no shorter than the busiest
+   rank's compute at ``m`` (the compute lower bound; compute per microbatch is the same at every size, so
+   the busy time scales exactly). Where a check fails, `predict` builds the order for ``m`` itself. The
+   bubble is then never negative: `combine` raises AssertionError, rather than clamp, if it ever were.
 """
 
 from __future__ import annotations
@@ -685,6 +686,14 @@ def _extrapolate(results: list[PolicyResult], m: int) -> tuple[float, float]:
     first, second = b.makespan - a.makespan, c.makespan - b.makespan
     if abs(second - first) > _STEADY_RTOL * c.makespan:
         raise NotSteadyError(f"slopes differ over {a.size}-{b.size}-{c.size}: {first!r} vs {second!r}")
+    if second < (c.busy - b.busy) * (1.0 - _STEADY_RTOL):
+        # the busiest rank still idles less with every microbatch: its warm-up bubble is being filled, which
+        # cannot go on (measured: torch's Interleaved1F1B at pp 4 has equal slopes over 8-12-16 microbatches
+        # that are 1.3% below its steady slope)
+        raise NotSteadyError(
+            f"slope {second!r} over {b.size}-{c.size} below the busiest rank's compute per interval "
+            f"{c.busy - b.busy!r}"
+        )
     if b.peak_units != c.peak_units or b.activation != c.activation:
         raise NotSteadyError(f"peaks still change between {b.size} and {c.size} microbatches")
     makespan = c.makespan + (m - c.size) / step * second

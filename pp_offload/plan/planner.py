@@ -34,6 +34,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pp_offload.plan.auto import DEFAULT_RECOMPUTE as AUTO_RECOMPUTE
 from pp_offload.plan.evaluate import (
     Setup,
     build_orders,
@@ -61,10 +62,10 @@ DEFAULT_OFFLOAD = (
     "budget:close-w",
     "budget:sublayer",
 )
-DEFAULT_RECOMPUTE = ("none", "mlp", "selective:0.5,mlp", "selective:0.75,mlp", "selective", "full")
-"""Recompute plans tried by default (`pp_offload.recompute_plan`): none; the MLP blocks' activation and
-product of every layer; selective recompute of the first half and three quarters of each stage's layers
-with the MLP-only recompute on the others; selective of every layer; full."""
+DEFAULT_RECOMPUTE = ("none", *AUTO_RECOMPUTE)
+"""Recompute plans tried by default (`pp_offload.recompute_plan`): none, then exactly the plans
+``schedule: auto`` weighs (`pp_offload.plan.auto.DEFAULT_RECOMPUTE`, ``+once`` plans included), so the
+planner and the recipe's auto choose among the same candidates."""
 SINGLE_STAGE = ("Schedule1F1B", "ScheduleGPipe")
 """torch's single-stage schedules: they run on torch's older executor, which cannot take OFFLOAD/RELOAD."""
 _TIE = 1e-6
@@ -256,14 +257,16 @@ def plan(
     virtual_stages: stages per rank of torch's interleaved (loop) schedules.
     search: ``"full"``, ``"fast"`` or ``"auto"`` (`pp_offload.plan.orders`).
     reserve_gib: memory set aside per GPU for the CUDA context, NCCL and fragmentation.
-    progress: show a progress bar (stderr). jobs: worker processes (default: one per CPU, at most one per
-        schedule; 1 runs everything in this process). suggest: when nothing fits, size alternatives.
+    progress: show a progress bar on stderr when it is a terminal (never in a redirected log).
+    jobs: worker processes (default: one per CPU, at most one per schedule; 1 runs everything in this
+        process). suggest: when nothing fits, size alternatives.
     evaluate_dominated: also replay the offload policies of schedules that fit without offload (they cannot
         be recommended: offload never shortens an order, and ties go to no offload), to see what offload
         would save; by default they are listed as skipped, which saves most of the planning time.
-    recompute: activation recompute plans to try (default `DEFAULT_RECOMPUTE`: ``none``, ``mlp``,
-        ``selective:0.5,mlp``, ``selective:0.75,mlp``, ``selective``, ``full``; a mode with a share
-        recomputes the first share of each stage's layers, a second mode after a comma the others;
+    recompute: activation recompute plans to try (default `DEFAULT_RECOMPUTE`: ``none`` and the plans
+        ``schedule: auto`` weighs, ``mlp``, ``selective:0.5``, ``selective:0.75``, ``selective:0.5,mlp``,
+        ``selective:0.75,mlp``, ``selective``, ``full``, ``selective+once``, ``full+once``; a mode with a
+        share recomputes the first share of each stage's layers, a second mode after a comma the others;
         `pp_offload.plan.memory` and `pp_offload.plan.costs` model their bytes and time).
         Recompute candidates of a schedule that fits without offload and recompute are skipped unless
         ``evaluate_dominated``; a recompute candidate that costs time without lowering the activation peak
@@ -446,9 +449,9 @@ def _recompute_modes(recompute: Iterable[str] | str | None) -> list[str]:
     if not modes:
         raise ValueError("recompute must list at least one mode ('none', 'selective', 'full')")
 
-    def amount(label: str) -> tuple[int, float, int]:
+    def amount(label: str) -> tuple[int, float, int, bool]:
         plan = parse_recompute(label)
-        return RECOMPUTE.index(plan.mode), plan.share, RECOMPUTE.index(plan.rest)
+        return RECOMPUTE.index(plan.mode), plan.share, RECOMPUTE.index(plan.rest), plan.once
 
     return sorted(set(modes), key=amount)
 
@@ -507,7 +510,7 @@ def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, ev
         total=len(names) * len(policies) * len(modes),
         desc="plan",
         unit="candidate",
-        disable=not progress,
+        disable=None if progress else True,  # None: tqdm draws only when stderr is a terminal
         file=sys.stderr,
         leave=False,
     )
@@ -762,7 +765,7 @@ def _gib(nbytes: float) -> str:
 def _reason(best: Candidate, ranked: list[Candidate], memory_gib: float, aliases: dict[str, str]) -> str:
     text = (
         f"fastest that fits in {memory_gib:g} GiB: {best.label}, {_seconds(best.step_time)} per step, "
-        f"{_gib(best.peak_bytes)} peak (rank {best.peak_rank})"
+        f"device peak {_gib(best.peak_bytes)} (rank {best.peak_rank})"
     )
     faster = [c for c in ranked if c.evaluated and not c.fits and c.step_time < best.step_time * (1 - _TIE)]
     if faster:
