@@ -14,6 +14,9 @@ Parts:
 3. example: wall time of ``pp-offload plan --model llama-3-8b --seq-len 8192 --pp 4 --microbatches 16`` in
    a subprocess (default jobs: one worker per CPU), with the load average before and after.
 
+The order search's disk cache is off throughout (``PP_OFFLOAD_ORDER_CACHE=off``): the figures are what a
+first run pays; a repeated plan with the same sizes and costs reads our V orders from the cache.
+
 Writes bench/results/plan_exact.json.
 """
 
@@ -29,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# what a first run pays: the V-order search's disk cache (pp_offload.order.cache) would serve repeats
+os.environ["PP_OFFLOAD_ORDER_CACHE"] = "off"
 
 from pp_offload.plan import plan  # noqa: E402
 from pp_offload.plan.evaluate import build_orders, combine, evaluate_orders, setup_schedule  # noqa: E402
@@ -123,6 +128,8 @@ def cases() -> list[dict]:
 
 def cost() -> list[dict]:
     rows = []
+    _setup("ScheduleInterleaved1F1B", "A100", 2, 4)  # import torch's pipelining first: not an order's cost
+    build_orders(_setup("ScheduleInterleaved1F1B", "A100", 2, 4), [4], search="full", virtual_stages=2)
     print(f"\n{'pp':>3}{'m':>5}  {'schedule':<31}{'build s':>9}{'us/action':>11}{'replay s':>10}")
     for pp in (4, 8, 16):
         m = 16 * pp

@@ -2,10 +2,10 @@
 ``m`` microbatches, for every schedule of the catalog (`pp_offload.plan.evaluate.simulation_sizes`,
 `predict`).
 
-The grid forces the extrapolation path (the time budget shrunk to ``m / 4`` microbatches, so the sizes are
-2, 3 and 4 pp, the smallest the method takes), so what is checked is the method itself: three sizes a
-whole steady-phase period apart, the steady-phase checks, and the fall back to the exact order where a
-check fails. At ``m = 4 pp`` the planner replays ``m`` itself; the grid checks its bubble.
+At 8 and 16 x pp the grid takes the extrapolation path from the smallest sizes the method takes (2, 3 and
+4 pp; the planner's own sizes are larger, `simulation_sizes`), so what is checked is the method itself:
+three sizes a whole steady-phase period apart, the steady-phase checks, and the fall back to the exact
+order where a check fails. At ``m = 4 pp`` the planner replays ``m`` itself; the grid checks its bubble.
 """
 
 from __future__ import annotations
@@ -73,10 +73,7 @@ GRID = [(shape, pp, k) for shape in ("dense", "moe") for pp in (4, 8, 16) for k 
 def test_every_schedule_within_half_a_percent_of_the_exact_replay(shape, pp, factor, monkeypatch):
     m = factor * pp
     search = resolve_search("auto", pp)
-    # a budget of m / 4 microbatches (our orders and torch's alike), so the sizes are the smallest the
-    # method allows past the warm-up, 2 pp, 3 pp and 4 pp: the hardest case for its checks
-    monkeypatch.setattr(plan_evaluate, "EXACT_BUDGET_S", 6 * pp * (m // 4) * 1e-3)
-    monkeypatch.setattr(plan_evaluate, "SECONDS_PER_ACTION", {"ours": 1e-3, "torch": 1e-3})
+    sizes = [2 * pp, 3 * pp, 4 * pp]  # whole periods, congruent to m: the smallest the method takes
     extrapolated = 0
     for schedule in SCHEDULES:
         setup = _setup(schedule, pp, m, shape)
@@ -87,10 +84,8 @@ def test_every_schedule_within_half_a_percent_of_the_exact_replay(shape, pp, fac
         exact = combine(evaluate_orders(setup, exact_orders, "none"), m)
         label = f"{schedule} {shape} pp {pp} m {m}"
         assert exact["bubble"] >= 0, label
-        sizes = simulation_sizes(pp, m, schedule)
-        if sizes == [m]:  # m = 4 pp: the sizes would reach m, so the planner replays m itself
+        if factor == 4:  # the sizes would reach m: the planner replays m itself
             continue
-        assert sizes == [2 * pp, 3 * pp, 4 * pp], (label, sizes)
         orders = build_orders(setup, sizes, search=search, virtual_stages=2)
         assert orders.error is None, (label, orders.error)
         orders.exact = exact_orders  # a fall back reuses it
@@ -127,16 +122,26 @@ def test_combine_checks_the_steady_phase_and_never_goes_below_compute() -> None:
         combine([_result(64, 60.0, 64.0)], 64)
 
 
+def _budget(monkeypatch, microbatches: int) -> None:
+    """A budget of ``microbatches`` microbatches' orders at pp 8, whatever the schedule."""
+    monkeypatch.setattr(plan_evaluate, "EXACT_BUDGET_S", 6 * 8 * microbatches * 1e-3)
+    kinds = ("adaptive", "ours", "torch")
+    monkeypatch.setattr(plan_evaluate, "SECONDS_PER_ACTION", dict.fromkeys(kinds, 1e-3))
+
+
 def test_sizes_are_whole_periods_congruent_to_m(monkeypatch) -> None:
     assert simulation_sizes(8, 64) == [64]  # within the budget: exact
-    monkeypatch.setattr(plan_evaluate, "EXACT_BUDGET_S", 6 * 8 * 40 * 1e-3)  # 40 microbatches at pp 8
-    monkeypatch.setattr(plan_evaluate, "SECONDS_PER_ACTION", {"ours": 1e-3, "torch": 1e-3})
-    sizes = simulation_sizes(8, 100)
-    assert sizes == [20, 28, 36] and all(s % 8 == 100 % 8 for s in sizes)
-    assert simulation_sizes(8, 104, "ScheduleInterleaved1F1B") == [24, 32, 40]  # rounds of pp
+    assert simulation_sizes(8, 128, "ScheduleVHalf") == [128]
+    _budget(monkeypatch, 120)
+    assert simulation_sizes(8, 100) == [100]
+    assert simulation_sizes(8, 400) == [32, 40, 48]  # together within the budget
+    assert simulation_sizes(8, 404) == [28, 36, 44]  # congruent to m modulo pp
+    assert simulation_sizes(8, 208, "ScheduleInterleaved1F1B") == [32, 40, 48]  # rounds of pp
+    _budget(monkeypatch, 20)
     assert simulation_sizes(8, 63, "ScheduleInterleaved1F1B") == [63]  # 7 rounds of 9: exact
-    odd = simulation_sizes(5, 200)
-    assert len(odd) == 3 and odd[1] - odd[0] == 10 and all(s % 10 == 0 for s in odd)
+    assert simulation_sizes(8, 70) == [70]  # three sizes past the warm-up would cost more than 70
+    assert simulation_sizes(8, 400) == [16, 24, 32]  # the smallest at 2 pp, past the budget
+    assert simulation_sizes(5, 400) == [10, 20, 30]  # odd pp: a period of 2 pp
 
 
 def test_70b_a100_ranks_v_zb_ahead_of_interleaved_1f1b_as_the_exact_replay_does() -> None:

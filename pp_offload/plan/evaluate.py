@@ -73,7 +73,7 @@ from pp_offload.plan.memory import (
     transient_bytes,
 )
 from pp_offload.plan.model import ModelSpec
-from pp_offload.plan.orders import OURS, Layout, build_order, layout, microbatch_problem
+from pp_offload.plan.orders import OURS, Layout, build_order, canonical_schedule, layout, microbatch_problem
 from pp_offload.plan.split import balanced_split
 from pp_offload.recompute_plan import parse_recompute
 
@@ -90,14 +90,17 @@ __all__ = [
 ]
 
 EXACT_BUDGET_S = 10.0
-"""Seconds one order may take to build before the planner extrapolates instead (`simulation_sizes`)."""
-SECONDS_PER_ACTION = {"ours": 8e-4, "torch": 4e-5}
+"""Seconds the orders of one schedule may take to build before the planner extrapolates instead
+(`simulation_sizes`)."""
+SECONDS_PER_ACTION = {"adaptive": 3.2e-3, "ours": 8e-4, "torch": 1e-4}
 """Measured cost of building one order, per compute action (``6 m pp``: F, I and W of two chunks per rank
-and microbatch), on one busy core of the 2-core CI machine: our V orders (the ``full`` search at pp <= 8:
-V-Min 3.2 s at pp 8, m 64 and 6.7 s at m 256; V-Adaptive with the ``fast`` search at pp 16, m 128: 9 s),
-the worst of them rounded up; torch's and 1F1B's orders (their classes with mock stages: 0.02-0.4 s at
-pp 8-16, m 64-256). A replay costs ~5 us per action and is not the limit. So our orders are exact up to
-``6 m pp`` = 12,500 actions (pp 8: m <= 260; pp 16: m <= 130; pp 32: m <= 65), torch's up to 250,000."""
+and microbatch), on one core of the 2-core CI machine shared with other jobs, the order search's disk
+cache off (`bench/bench_plan_exact.py`, docs/planner.md): V-Adaptive's search (3.1 ms per action at pp 8,
+m 128), V-Min, V-Half and V-ZB (the ``full`` search at pp <= 8: V-Min 3.2 s at pp 8, m 64, 0.5-1 ms per
+action), torch's orders built by its classes with mock stages (50-100 us per action at pp 8, m 128); each
+rounded up. A replay costs about 5 us per action and is not the limit. So with the 10 s budget the orders
+of all m microbatches are built up to ``6 m pp`` = 3,125 actions for V-Adaptive (pp 8: m <= 65), 12,500 for
+our other schedules (pp 8: m <= 260; pp 16: m <= 130) and 100,000 for torch's (pp 16: m <= 1041)."""
 _STEADY_RTOL = 1e-9
 
 
@@ -428,18 +431,22 @@ def steady_period(num_ranks: int) -> int:
 
 def exact_limit(num_ranks: int, schedule: str | None = None) -> int:
     """The most microbatches whose order fits `EXACT_BUDGET_S` (`SECONDS_PER_ACTION`); ``schedule`` None:
-    the most expensive kind (ours)."""
-    kind = "torch" if schedule is not None and not is_ours(schedule) else "ours"
+    the most expensive kind."""
+    if schedule is None or canonical_schedule(schedule) == "ScheduleVAdaptive":
+        kind = "adaptive"
+    else:
+        kind = "ours" if is_ours(canonical_schedule(schedule)) else "torch"
     return max(1, int(EXACT_BUDGET_S / SECONDS_PER_ACTION[kind] + 1e-6) // (6 * num_ranks))
 
 
 def simulation_sizes(num_ranks: int, num_microbatches: int, schedule: str | None = None) -> list[int]:
     """The microbatch counts whose orders are built (module doc, 5): ``[m]`` when its order fits the time
     budget (`exact_limit`); else three sizes a whole `steady_period` apart, each congruent to ``m`` modulo
-    it, the largest within the budget (and at least two periods past 2 pp, where every schedule of the
-    catalog is in its steady phase at pp 4-16: measured, torch's Interleaved1F1B reaches it at 4 pp,
-    DualPipeV and V-Half at 3 pp). Also ``[m]`` for torch's interleaved schedules when ``m`` is not a
-    multiple of pp: their rounds then hold more than pp microbatches, a structure smaller sizes lack."""
+    it, together within the budget where they can be, and the smallest at least 2 pp (every schedule of the
+    catalog is past its warm-up at 4 pp: measured at pp 4-16, torch's Interleaved1F1B reaches its steady
+    slope at 4 pp, DualPipeV and V-Half at 3 pp). ``[m]`` too where three such sizes would cost as much as
+    ``m`` itself, and for torch's interleaved schedules when ``m`` is not a multiple of pp: their rounds then
+    hold more than pp microbatches, a structure the smaller sizes lack."""
     d, m = num_ranks, num_microbatches
     limit = exact_limit(d, schedule)
     if m <= limit:
@@ -447,13 +454,13 @@ def simulation_sizes(num_ranks: int, num_microbatches: int, schedule: str | None
     if schedule is not None and layout(schedule, d).placement == "loop" and m % d:
         return [m]
     period = steady_period(d)
-    last = limit - (limit - m) % period  # the largest size <= limit congruent to m
+    last = (limit + 3 * period) // 3  # three sizes last - 2 period .. last within the budget
+    last -= (last - m) % period  # congruent to m
     low = 2 * d + 2 * period
     if last < low:
         last = low + (m - low) % period
-    if last >= m:
-        return [m]
-    return [last - 2 * period, last - period, last]
+    sizes = [last - 2 * period, last - period, last]
+    return [m] if sum(sizes) >= m else sizes
 
 
 @dataclass
