@@ -21,7 +21,9 @@ gradient all-reduce (ring, not overlapped with the pipeline's cool-down) when ``
 Cost of planning: order construction and offload replays (see `pp_offload.plan.orders`). Measured on 2
 busy CPU cores, the paper's 38.5B setting (pp=32, m=128): 8 s when the fast schedules fit without offload
 (offload is then not replayed: it can never win), ~70 s at 40 GiB, where offload is replayed for most
-schedules; pp=4-8 with small m: a few seconds. A progress bar over the candidates shows where it is.
+schedules; pp=4-8 with small m: a few seconds. Orders are built for all m microbatches within a time
+budget per schedule and extrapolated, checked, past it (`pp_offload.plan.evaluate.simulation_sizes`). A
+progress bar over the candidates shows where it is, on a terminal.
 """
 
 from __future__ import annotations
