@@ -12,7 +12,8 @@ Parts:
 2. cost: seconds to build one order per compute action (``6 m pp``), per schedule, pp 4 / 8 / 16 and m 16 pp
    (our V orders with the planner's ``auto`` search: full up to pp 8, fast above; torch's with mock stages);
 3. example: wall time of ``pp-offload plan --model llama-3-8b --seq-len 8192 --pp 4 --microbatches 16`` in
-   a subprocess (default jobs: one worker per CPU), with the load average before and after.
+   a subprocess (default jobs: one worker per CPU), its CPU time (its workers' included) and the load
+   average before and after.
 
 The order search's disk cache is off throughout (``PP_OFFLOAD_ORDER_CACHE=off``): the figures are what a
 first run pays; a repeated plan with the same sizes and costs reads our V orders from the cache.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -152,6 +154,7 @@ def cost() -> list[dict]:
 
 def example() -> dict:
     before = os.getloadavg()
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "pp_offload", "plan", *EXAMPLE],
@@ -162,12 +165,16 @@ def example() -> dict:
     )
     seconds = time.perf_counter() - start
     after = os.getloadavg()
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
     print(f"\npp-offload plan {' '.join(EXAMPLE)}: {seconds:.1f} s on {os.cpu_count()} cores")
+    print(f"CPU time of the command and its workers: {cpu_s:.1f} s (wall on idle cores >= CPU / cores)")
     print(f"load average (1 min) before {before[0]:.2f}, after {after[0]:.2f}")
     print(done.stdout.split("\n\n")[1])
     return {
         "command": ["pp-offload", "plan", *EXAMPLE],
         "seconds": seconds,
+        "cpu_seconds": cpu_s,
         "cpus": os.cpu_count(),
         "load_before": before[0],
         "load_after": after[0],
