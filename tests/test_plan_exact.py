@@ -29,7 +29,7 @@ from pp_offload.plan.evaluate import (
 from pp_offload.plan.machines import resolve_machine
 from pp_offload.plan.memory import precision
 from pp_offload.plan.model import model_spec
-from pp_offload.plan.orders import SCHEDULES, resolve_search
+from pp_offload.plan.orders import SCHEDULES
 
 TOLERANCE = 0.005
 
