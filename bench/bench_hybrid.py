@@ -383,7 +383,7 @@ def _recipe_run(dp: int, schedule: str, args: argparse.Namespace) -> dict[str, A
             per_step = [float(r["tokens_per_s"]) for r in rows]
             record["tokens_per_s_steps"] = per_step
             # process max RSS of rank 0 on CPU (libraries included): not an activation measure
-            record["rank0_max_rss_mib"] = max((float(r["peak_memory_mib"]) for r in rows), default=None)
+            record["rank0_max_rss_mib"] = max((float(r["device_peak_mib"]) for r in rows), default=None)
             if len(per_step) > 1:
                 record["tokens_per_s_after_first"] = statistics.median(per_step[1:])
     return record

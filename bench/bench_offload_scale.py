@@ -117,14 +117,14 @@ def evaluate(
     A policy ``"budget@X"`` is budget offload within a step ``X`` slower than ``base_step_s`` (the
     schedule without recompute or offload: the caller's), i.e. what is left of X after the recompute;
     ``"budget@X:sublayer"`` the same with sub-layer units."""
-    from pp_offload.plan.evaluate import build_orders, combine, evaluate_orders, simulation_sizes
+    from pp_offload.plan.evaluate import build_orders, predict, simulation_sizes
     from pp_offload.plan.handoff import planner_setup
 
     setup = planner_setup(
         config, schedule=schedule, pp=pp, seq_len=seq, microbatch_size=1, num_microbatches=m,
         machine=machine, recompute=recompute,
     )  # fmt: skip
-    sizes = simulation_sizes(pp, m)
+    sizes = simulation_sizes(pp, m, schedule)
     orders = build_orders(setup, sizes, search="auto", virtual_stages=2)
     if orders.error:
         raise RuntimeError(f"{schedule} pp {pp}: {orders.error}")
@@ -143,7 +143,7 @@ def evaluate(
             if room <= 0:
                 continue  # the recompute alone costs more than the total
             spec = {"mode": "budget", "max_slowdown": room} | ({"granularity": unit} if unit else {})
-        summary = combine(evaluate_orders(setup, orders, spec), m)
+        summary, _ = predict(setup, orders, spec, m)
         if policy == "none":
             plain_step = summary["makespan"]
             if recompute == "none":

@@ -77,10 +77,10 @@ def _setup(schedule: str, machine: str, seq: int) -> tuple[Any, Any]:
         LLAMA_8B, schedule=schedule, pp=4, seq_len=seq, microbatch_size=1, num_microbatches=16,
         machine=machine,
     )  # fmt: skip
-    orders = build_orders(setup, simulation_sizes(4, 16), search="auto", virtual_stages=2)
+    orders = build_orders(setup, simulation_sizes(4, 16, schedule), search="auto", virtual_stages=2)
     if orders.error:
         raise RuntimeError(f"{schedule}: {orders.error}")
-    (order,) = orders.orders.values()  # m = 16 <= 4 pp: one exact order, no extrapolation
+    (order,) = orders.orders.values()  # m = 16 at pp 4: one exact order, no extrapolation
     return setup, order
 
 

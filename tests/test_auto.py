@@ -148,7 +148,7 @@ def test_nothing_fits_says_by_how_much_and_what_would() -> None:
         choose(_measurement(4), num_microbatches=8, activation_budget_bytes=1 * MiB)
     text = str(err.value)
     assert "activation_budget_bytes=1048576" in text
-    assert "over" in text and "smallest achievable peak" in text
+    assert "over" in text and "smallest achievable activation peak" in text
     assert "activation_budget_bytes >=" in text and "memory_limit >=" in text
 
 

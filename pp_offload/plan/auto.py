@@ -62,8 +62,7 @@ from pp_offload.plan.evaluate import (
     StageProfile,
     build_orders,
     chunk_pass_times,
-    combine,
-    evaluate_orders,
+    predict,
     simulation_sizes,
     stage_pass_costs,
 )
@@ -221,17 +220,17 @@ class AutoDecision:
             + (f" memory_limit={self.memory_limit:.3f}" if self.memory_limit is not None else "")
             + (f" recompute={self.recompute}" if self.recompute != "none" else ""),
             *_wrapped(f"reason: {self.reason}"),
-            f"budget per rank: {budget}",
+            f"activation budget per rank: {budget}",
             *(line for n in self.notes for line in _wrapped(f"note: {n}")),
             f"{'#':>3} {'schedule':26} {'offload':15} {'recompute':9} {'step ms':>9} {'bubble':>7} "
-            f"{'peak MiB':>9} fits",
+            f"{'act peak MiB':>12} fits",
         ]
         shown = self.candidates if limit is None else self.candidates[: max(int(limit), 1)]
         for k, c in enumerate(shown, 1):
             name = c.schedule + (f"({c.memory_limit:.2f})" if c.memory_limit is not None else "")
             step = f"{c.predicted_step_s * _MS:9.2f}" if c.predicted_step_s is not None else f"{'-':>9}"
             bubble = f"{c.bubble:7.1%}" if c.bubble is not None else f"{'-':>7}"
-            peak = f"{c.max_peak / _MiB:9.3f}" if c.peak_bytes else f"{'-':>9}"
+            peak = f"{c.max_peak / _MiB:12.3f}" if c.peak_bytes else f"{'-':>12}"
             fits = "yes" if c.fits else ("no: " + c.problem if c.problem else "no")
             lines.append(f"{k:>3} {name:26} {c.offload:15} {c.recompute:9} {step} {bubble} {peak} {fits}")
         if len(shown) < len(self.candidates):
@@ -297,7 +296,7 @@ def choose(
                 found = _adaptive(setup, meas, m, judged, budget)
             else:
                 orders = build_orders(
-                    setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
+                    setup, simulation_sizes(d, m, name), search=resolve_search("auto", d), virtual_stages=2
                 )
                 found = [_judge(setup, orders, meas, m, policy, budget) for policy in judged]
             candidates += [replace(c, recompute=mode) for c in found]
@@ -693,8 +692,7 @@ def _judge(
     name, limit = setup.schedule, setup.memory_limit
     if orders.error is not None:
         return AutoCandidate(name, policy, limit, None, [], False, problem=orders.error)
-    results = evaluate_orders(setup, orders, policy, synchronous_copies=not measurement.copies_overlap)
-    combined = combine(results, m)
+    combined, results = predict(setup, orders, policy, m, synchronous_copies=not measurement.copies_overlap)
     step_ms = combined["makespan"]
     if not measurement.copies_overlap:
         # synchronous copies run on the compute thread: the busiest rank's copies lengthen the step
@@ -730,7 +728,7 @@ def _adaptive(
     for cap in range(reference, 1, -1):
         setup.memory_cap, setup.memory_limit = float(cap), cap / reference
         orders = build_orders(
-            setup, simulation_sizes(d, m), search=resolve_search("auto", d), virtual_stages=2
+            setup, simulation_sizes(d, m, setup.schedule), search=resolve_search("auto", d), virtual_stages=2
         )
         for policy in policies:
             if policy in found and found[policy].fits:
@@ -803,7 +801,7 @@ def _reason(ranked: list[AutoCandidate], budget: list[int] | None) -> str:
     where = "of all candidates" if budget is None else f"of the {len(fitting)} candidates within the budget"
     text = (
         f"{_label(pick)} is the fastest {where}: predicted {pick.predicted_step_s * _MS:.2f} ms per step, "
-        f"peak {pick.max_peak / _MiB:.3f} MiB per rank"
+        f"activation peak {pick.max_peak / _MiB:.3f} MiB per rank"
     )
     if len(fitting) > 1 and fitting[1].predicted_step_s < pick.predicted_step_s:
         fastest = min(fitting, key=lambda c: c.predicted_step_s)
@@ -848,8 +846,9 @@ def _nothing_fits(
     limit_hint = f" or memory_limit >= {math.ceil(needed * 1000) / 1000:.3f}" if 0 < needed <= 1 else ""
     return (
         f"no schedule x offload candidate fits {asked} ({budget[rank] / _MiB:.3f} MiB on rank {rank}): the "
-        f"closest, {_label(closest)}, peaks at {closest.peak_bytes[rank] / _MiB:.3f} MiB there, "
-        f"{over / _MiB:.3f} MiB ({over / max(budget[rank], 1):.0%}) over. The smallest achievable peak is "
+        f"closest, {_label(closest)}, has an activation peak of {closest.peak_bytes[rank] / _MiB:.3f} MiB "
+        f"there, {over / _MiB:.3f} MiB ({over / max(budget[rank], 1):.0%}) over. The smallest achievable "
+        "activation peak is "
         f"{lowest.max_peak / _MiB:.3f} MiB per rank ({_label(lowest)}): activation_budget_bytes >= "
         f"{lowest.max_peak}{limit_hint} would admit it (or use fewer microbatches in flight / more ranks)."
     )

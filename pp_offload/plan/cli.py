@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pp_offload.plan.auto import DEFAULT_RECOMPUTE
 from pp_offload.plan.machines import MACHINES
 from pp_offload.plan.orders import SCHEDULES
 from pp_offload.plan.shapes import SHAPES
@@ -162,8 +163,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PLAN",
         help="activation recompute of the decoder layers to try: none, mlp (the MLP's activation and "
         "product only), selective, full, a mode on the first share of each stage's layers, e.g. "
-        "selective:0.75, and another on the rest, selective:0.75,mlp (default: none mlp "
-        "selective:0.5,mlp selective:0.75,mlp selective full)",
+        "selective:0.75, and another on the rest, selective:0.75,mlp; +once: recomputed once per "
+        "microbatch, selective+once (default: none and the plans schedule: auto weighs, "
+        + " ".join(DEFAULT_RECOMPUTE)
+        + ")",
     )
     p.add_argument(
         "--within",
@@ -209,7 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=_positive_int, default=None, help="worker processes (default: one per CPU)")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="draw the candidates to this file")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write every number to this file")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -25,11 +25,19 @@ The steps, for each schedule:
    start of its own copy back, `pp_offload.sim.LayeredChunk`; one layer's copy takes its bytes over the
    host bandwidth). The peak of that curve is the rank's activation memory (the chunk-unit peak of the same
    replay is the simulator's own);
-5. large m: orders are built for ``m`` microbatches when ``m <= 4 * pp``; above, for ``2 * pp`` and
-   ``3 * pp``, and the step time is extrapolated linearly from those two (every schedule has reached its
-   steady phase by then: the per-microbatch slope is exact for bubble-free steady phases, and measures
-   V-Min's per-period bubble and comm gaps too), the bubble likewise, and memory is that of the ``3 * pp``
-   order (peaks stop growing once the steady phase is reached).
+5. step time at the ``m`` asked for (`simulation_sizes`): the orders are built for ``m`` microbatches
+   whenever that fits the time budget (`EXACT_BUDGET_S` per order, priced per compute action by
+   `SECONDS_PER_ACTION`, measured); the step time, bubble and peaks are then those of the exact replay.
+   Above it (very large ``m`` x pp), orders are built at three sizes a whole number of the schedules'
+   steady-phase periods apart (`steady_period`: torch's interleaved schedules run rounds of pp
+   microbatches, the others repeat per microbatch or per pair), each congruent to ``m`` modulo that
+   period, and the step time is extrapolated from the last size with the slope of the last interval only
+   where the steady phase is shown to be reached (`combine`): equal slopes over the two intervals, no
+   lower than the busiest rank's compute over an interval (a lower slope means a warm-up bubble is still
+   being filled), equal peaks at the last two sizes, and an extrapolated step no shorter than the busiest
+   rank's compute at ``m`` (the compute lower bound; compute per microbatch is the same at every size, so
+   the busy time scales exactly). Where a check fails, `predict` builds the order for ``m`` itself. The
+   bubble is then never negative: `combine` raises AssertionError, rather than clamp, if it ever were.
 """
 
 from __future__ import annotations
@@ -65,21 +73,35 @@ from pp_offload.plan.memory import (
     transient_bytes,
 )
 from pp_offload.plan.model import ModelSpec
-from pp_offload.plan.orders import OURS, Layout, build_order, layout, microbatch_problem
+from pp_offload.plan.orders import OURS, Layout, build_order, canonical_schedule, layout, microbatch_problem
 from pp_offload.plan.split import balanced_split
 from pp_offload.recompute_plan import parse_recompute
 
 __all__ = [
+    "NotSteadyError",
     "PolicyResult",
     "Setup",
     "StageProfile",
     "evaluate_orders",
     "offload_plan",
+    "predict",
     "setup_schedule",
     "simulation_sizes",
 ]
 
-_EXACT_FACTOR = 4
+EXACT_BUDGET_S = 10.0
+"""Seconds the orders of one schedule may take to build before the planner extrapolates instead
+(`simulation_sizes`)."""
+SECONDS_PER_ACTION = {"adaptive": 3.2e-3, "ours": 8e-4, "torch": 1e-4}
+"""Measured cost of building one order, per compute action (``6 m pp``: F, I and W of two chunks per rank
+and microbatch), on one core of the 2-core CI machine shared with other jobs, the order search's disk
+cache off (`bench/bench_plan_exact.py`, docs/planner.md): V-Adaptive's search (3.1 ms per action at pp 8,
+m 128), V-Min, V-Half and V-ZB (the ``full`` search at pp <= 8: V-Min 3.2 s at pp 8, m 64, 0.5-1 ms per
+action), torch's orders built by its classes with mock stages (50-100 us per action at pp 8, m 128); each
+rounded up. A replay costs about 5 us per action and is not the limit. So with the 10 s budget the orders
+of all m microbatches are built up to ``6 m pp`` = 3,125 actions for V-Adaptive (pp 8: m <= 65), 12,500 for
+our other schedules (pp 8: m <= 260; pp 16: m <= 130) and 100,000 for torch's (pp 16: m <= 1041)."""
+_STEADY_RTOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -400,11 +422,45 @@ def choose_adaptive_limit(setup: Setup, *, limit_bytes: int, num_microbatches: i
     setup.memory_limit = cap / reference
 
 
-def simulation_sizes(num_ranks: int, num_microbatches: int) -> list[int]:
-    """The microbatch counts whose orders are built: ``[m]``, or two sizes to extrapolate from."""
-    if num_microbatches <= _EXACT_FACTOR * num_ranks:
-        return [num_microbatches]
-    return [2 * num_ranks, 3 * num_ranks]
+def steady_period(num_ranks: int) -> int:
+    """Microbatches per steady-phase period of every schedule of the catalog: pp (torch's interleaved
+    schedules run rounds of pp microbatches; the V orders, 1F1B, ZBV and DualPipeV repeat every microbatch
+    or pair of microbatches), doubled for an odd pp so that pairs divide it too."""
+    return num_ranks if num_ranks % 2 == 0 else 2 * num_ranks
+
+
+def exact_limit(num_ranks: int, schedule: str | None = None) -> int:
+    """The most microbatches whose order fits `EXACT_BUDGET_S` (`SECONDS_PER_ACTION`); ``schedule`` None:
+    the most expensive kind."""
+    if schedule is None or canonical_schedule(schedule) == "ScheduleVAdaptive":
+        kind = "adaptive"
+    else:
+        kind = "ours" if is_ours(canonical_schedule(schedule)) else "torch"
+    return max(1, int(EXACT_BUDGET_S / SECONDS_PER_ACTION[kind] + 1e-6) // (6 * num_ranks))
+
+
+def simulation_sizes(num_ranks: int, num_microbatches: int, schedule: str | None = None) -> list[int]:
+    """The microbatch counts whose orders are built (module doc, 5): ``[m]`` when its order fits the time
+    budget (`exact_limit`); else three sizes a whole `steady_period` apart, each congruent to ``m`` modulo
+    it, together within the budget where they can be, and the smallest at least 2 pp (every schedule of the
+    catalog is past its warm-up at 4 pp: measured at pp 4-16, torch's Interleaved1F1B reaches its steady
+    slope at 4 pp, DualPipeV and V-Half at 3 pp). ``[m]`` too where three such sizes would cost as much as
+    ``m`` itself, and for torch's interleaved schedules when ``m`` is not a multiple of pp: their rounds then
+    hold more than pp microbatches, a structure the smaller sizes lack."""
+    d, m = num_ranks, num_microbatches
+    limit = exact_limit(d, schedule)
+    if m <= limit:
+        return [m]
+    if schedule is not None and layout(schedule, d).placement == "loop" and m % d:
+        return [m]
+    period = steady_period(d)
+    last = (limit + 3 * period) // 3  # three sizes last - 2 period .. last within the budget
+    last -= (last - m) % period  # congruent to m
+    low = 2 * d + 2 * period
+    if last < low:
+        last = low + (m - low) % period
+    sizes = [last - 2 * period, last - period, last]
+    return [m] if sum(sizes) >= m else sizes
 
 
 @dataclass
@@ -432,18 +488,34 @@ class PolicyResult:
 
 @dataclass
 class OrderSet:
-    """Orders of one schedule at the simulated sizes, and what building them cost."""
+    """Orders of one schedule at the simulated sizes, and what building them cost. ``search`` and
+    ``virtual_stages`` are what they were built with, so `predict` can build the exact order later."""
 
     sizes: list[int]
     orders: dict[int, Any] = field(default_factory=dict)
     build_seconds: float = 0.0
     error: str | None = None
+    search: str = "auto"
+    virtual_stages: int = 2
+    exact: OrderSet | None = field(default=None, repr=False)
+    """The order for the step's own microbatch count, built when an extrapolation failed its check."""
+
+    def exact_for(self, setup: Setup, num_microbatches: int) -> OrderSet:
+        """The order at ``num_microbatches`` itself (built once, kept in ``exact``)."""
+        if self.sizes == [num_microbatches]:
+            return self
+        if self.exact is None:
+            self.exact = build_orders(
+                setup, [num_microbatches], search=self.search, virtual_stages=self.virtual_stages
+            )
+            self.build_seconds += self.exact.build_seconds
+        return self.exact
 
 
 def build_orders(setup: Setup, sizes: list[int], *, search: str, virtual_stages: int) -> OrderSet:
     from pp_offload.sim import as_executed_by_torch
 
-    out = OrderSet(sizes)
+    out = OrderSet(sizes, search=search, virtual_stages=virtual_stages)
     start = time.perf_counter()
     try:
         for size in sizes:
@@ -572,21 +644,33 @@ def activation_peaks(sim: Any, setup: Setup, *, layered: Any = None, granularity
     return byte_peaks(sim, stage_bytes, layered)
 
 
+class NotSteadyError(ValueError):
+    """The sizes simulated do not show the steady phase (`combine`): predict from the exact order."""
+
+
 def combine(results: list[PolicyResult], num_microbatches: int) -> dict[str, Any]:
-    """Step time, bubble and peaks at ``num_microbatches`` from one exact or two extrapolated sizes."""
+    """Step time, bubble and peaks at ``num_microbatches`` from one exact size, or extrapolated from three
+    sizes a whole period apart (module doc, 5). Raises `NotSteadyError` when the three do not show the
+    steady phase: unequal slopes over the two intervals, a peak still growing, or a step shorter than the
+    busiest rank's compute at ``num_microbatches`` (`predict` then replays the exact order)."""
     last = results[-1]
     if len(results) == 1:
+        if last.size != num_microbatches:
+            raise ValueError(f"one result at {last.size} microbatches cannot predict {num_microbatches}")
         makespan, busy = last.makespan, last.busy
     else:
-        a, b = results[0], results[1]
-        slope = (b.makespan - a.makespan) / (b.size - a.size)
-        makespan = b.makespan + (num_microbatches - b.size) * slope
-        busy = b.busy * num_microbatches / b.size
+        makespan, busy = _extrapolate(results, num_microbatches)
+    bubble = 1.0 - busy / makespan if makespan > 0 else 0.0
+    if bubble < -_STEADY_RTOL:
+        raise AssertionError(
+            f"negative bubble {bubble:.3g}: makespan {makespan!r} below the busiest rank's compute {busy!r} "
+            f"at {num_microbatches} microbatches (sizes {[r.size for r in results]})"
+        )
     peak_units = [max(r.peak_units[k] for r in results) for k in range(len(last.peak_units))]
     activation = [max(r.activation[k] for r in results) for k in range(len(last.activation))]
     return {
         "makespan": makespan,
-        "bubble": 1.0 - busy / makespan if makespan > 0 else 0.0,
+        "bubble": max(bubble, 0.0),  # only float noise below 0 reaches here
         "peak_units": peak_units,
         "activation": activation,
         "reload_wait": last.reload_wait,
@@ -595,6 +679,51 @@ def combine(results: list[PolicyResult], num_microbatches: int) -> dict[str, Any
         "pulled_w": last.pulled_w,
         "extrapolated": len(results) > 1,
     }
+
+
+def _extrapolate(results: list[PolicyResult], m: int) -> tuple[float, float]:
+    """(makespan, busiest rank's compute) at ``m`` from the last size and the slope of the last interval,
+    after the steady-phase checks (`combine`)."""
+    if len(results) != 3:
+        raise ValueError(f"extrapolation needs three sizes, got {[r.size for r in results]}")
+    a, b, c = results
+    if b.size - a.size != c.size - b.size or c.size >= m:
+        raise ValueError(f"sizes {[r.size for r in results]} are not evenly spaced below {m}")
+    step = c.size - b.size
+    first, second = b.makespan - a.makespan, c.makespan - b.makespan
+    if abs(second - first) > _STEADY_RTOL * c.makespan:
+        raise NotSteadyError(f"slopes differ over {a.size}-{b.size}-{c.size}: {first!r} vs {second!r}")
+    if second < (c.busy - b.busy) * (1.0 - _STEADY_RTOL):
+        # the busiest rank still idles less with every microbatch: its warm-up bubble is being filled, which
+        # cannot go on (measured: torch's Interleaved1F1B at pp 4 has equal slopes over 8-12-16 microbatches
+        # that are 1.3% below its steady slope)
+        raise NotSteadyError(
+            f"slope {second!r} over {b.size}-{c.size} below the busiest rank's compute per interval "
+            f"{c.busy - b.busy!r}"
+        )
+    if b.peak_units != c.peak_units or b.activation != c.activation:
+        raise NotSteadyError(f"peaks still change between {b.size} and {c.size} microbatches")
+    makespan = c.makespan + (m - c.size) / step * second
+    busy = c.busy * m / c.size  # every microbatch costs each rank the same compute
+    if makespan < busy * (1.0 - _STEADY_RTOL):
+        raise NotSteadyError(f"extrapolated step {makespan!r} below the compute lower bound {busy!r}")
+    return makespan, busy
+
+
+def predict(
+    setup: Setup, orders: OrderSet, policy: Any, num_microbatches: int, *, synchronous_copies: bool = False
+) -> tuple[dict[str, Any], list[PolicyResult]]:
+    """`combine` of `evaluate_orders` at ``num_microbatches``, from the exact order when the simulated
+    sizes do not show the steady phase; returns the summary and the results it came from."""
+    results = evaluate_orders(setup, orders, policy, synchronous_copies=synchronous_copies)
+    try:
+        return combine(results, num_microbatches), results
+    except NotSteadyError:
+        exact = orders.exact_for(setup, num_microbatches)
+        if exact.error is not None:
+            raise RuntimeError(exact.error) from None
+        results = evaluate_orders(setup, exact, policy, synchronous_copies=synchronous_copies)
+        return combine(results, num_microbatches), results
 
 
 def is_ours(schedule: str) -> bool:

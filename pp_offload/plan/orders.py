@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from pp_offload.order.actions import Costs, Order
@@ -160,12 +161,10 @@ def build_order(
 
         return one_f_one_b_order(d, m)
     if schedule in TORCH:
-        from pp_offload.runtime import compat
-
         per_rank = (
             virtual_stages if schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble") else 2
         )
-        return dict(enumerate(compat.schedule_ops(schedule.removeprefix("Schedule"), d, m, per_rank)))
+        return {r: list(actions) for r, actions in enumerate(_torch_order(schedule, d, m, per_rank))}
     from pp_offload.order import vshape
 
     caps = {
@@ -183,6 +182,16 @@ def build_order(
         reference = vshape.one_f_one_b_peak(d, m)
         return vshape.adaptive_v_order(d, m, cap / reference, costs)
     return _fast_order(schedule, d, m, costs, cap, compacted=search != "memory")
+
+
+@lru_cache(maxsize=64)
+def _torch_order(schedule: str, d: int, m: int, per_rank: int) -> tuple[tuple[Any, ...], ...]:
+    """torch's order of ``schedule``, built once per size: it does not depend on the costs, and the planner
+    and ``schedule: auto`` judge every schedule once per recompute plan (its actions are immutable named
+    tuples; `build_order` hands out fresh lists)."""
+    from pp_offload.runtime import compat
+
+    return tuple(tuple(a) for a in compat.schedule_ops(schedule.removeprefix("Schedule"), d, m, per_rank))
 
 
 def _fast_order(schedule: str, d: int, m: int, costs: Costs, cap: float, *, compacted: bool) -> Order:

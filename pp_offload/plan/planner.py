@@ -21,7 +21,9 @@ gradient all-reduce (ring, not overlapped with the pipeline's cool-down) when ``
 Cost of planning: order construction and offload replays (see `pp_offload.plan.orders`). Measured on 2
 busy CPU cores, the paper's 38.5B setting (pp=32, m=128): 8 s when the fast schedules fit without offload
 (offload is then not replayed: it can never win), ~70 s at 40 GiB, where offload is replayed for most
-schedules; pp=4-8 with small m: a few seconds. A progress bar over the candidates shows where it is.
+schedules; pp=4-8 with small m: a few seconds. Orders are built for all m microbatches within a time
+budget per schedule and extrapolated, checked, past it (`pp_offload.plan.evaluate.simulation_sizes`). A
+progress bar over the candidates shows where it is, on a terminal.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from pp_offload.plan.auto import DEFAULT_RECOMPUTE as AUTO_RECOMPUTE
 from pp_offload.plan.evaluate import (
     Setup,
     build_orders,
     choose_adaptive_limit,
-    combine,
-    evaluate_orders,
+    predict,
     setup_schedule,
     simulation_sizes,
 )
@@ -62,10 +64,10 @@ DEFAULT_OFFLOAD = (
     "budget:close-w",
     "budget:sublayer",
 )
-DEFAULT_RECOMPUTE = ("none", "mlp", "selective:0.5,mlp", "selective:0.75,mlp", "selective", "full")
-"""Recompute plans tried by default (`pp_offload.recompute_plan`): none; the MLP blocks' activation and
-product of every layer; selective recompute of the first half and three quarters of each stage's layers
-with the MLP-only recompute on the others; selective of every layer; full."""
+DEFAULT_RECOMPUTE = ("none", *AUTO_RECOMPUTE)
+"""Recompute plans tried by default (`pp_offload.recompute_plan`): none, then exactly the plans
+``schedule: auto`` weighs (`pp_offload.plan.auto.DEFAULT_RECOMPUTE`, ``+once`` plans included), so the
+planner and the recipe's auto choose among the same candidates."""
 SINGLE_STAGE = ("Schedule1F1B", "ScheduleGPipe")
 """torch's single-stage schedules: they run on torch's older executor, which cannot take OFFLOAD/RELOAD."""
 _TIE = 1e-6
@@ -257,14 +259,16 @@ def plan(
     virtual_stages: stages per rank of torch's interleaved (loop) schedules.
     search: ``"full"``, ``"fast"`` or ``"auto"`` (`pp_offload.plan.orders`).
     reserve_gib: memory set aside per GPU for the CUDA context, NCCL and fragmentation.
-    progress: show a progress bar (stderr). jobs: worker processes (default: one per CPU, at most one per
-        schedule; 1 runs everything in this process). suggest: when nothing fits, size alternatives.
+    progress: show a progress bar on stderr when it is a terminal (never in a redirected log).
+    jobs: worker processes (default: one per CPU, at most one per schedule; 1 runs everything in this
+        process). suggest: when nothing fits, size alternatives.
     evaluate_dominated: also replay the offload policies of schedules that fit without offload (they cannot
         be recommended: offload never shortens an order, and ties go to no offload), to see what offload
         would save; by default they are listed as skipped, which saves most of the planning time.
-    recompute: activation recompute plans to try (default `DEFAULT_RECOMPUTE`: ``none``, ``mlp``,
-        ``selective:0.5,mlp``, ``selective:0.75,mlp``, ``selective``, ``full``; a mode with a share
-        recomputes the first share of each stage's layers, a second mode after a comma the others;
+    recompute: activation recompute plans to try (default `DEFAULT_RECOMPUTE`: ``none`` and the plans
+        ``schedule: auto`` weighs, ``mlp``, ``selective:0.5``, ``selective:0.75``, ``selective:0.5,mlp``,
+        ``selective:0.75,mlp``, ``selective``, ``full``, ``selective+once``, ``full+once``; a mode with a
+        share recomputes the first share of each stage's layers, a second mode after a comma the others;
         `pp_offload.plan.memory` and `pp_offload.plan.costs` model their bytes and time).
         Recompute candidates of a schedule that fits without offload and recompute are skipped unless
         ``evaluate_dominated``; a recompute candidate that costs time without lowering the activation peak
@@ -447,9 +451,9 @@ def _recompute_modes(recompute: Iterable[str] | str | None) -> list[str]:
     if not modes:
         raise ValueError("recompute must list at least one mode ('none', 'selective', 'full')")
 
-    def amount(label: str) -> tuple[int, float, int]:
+    def amount(label: str) -> tuple[int, float, int, bool]:
         plan = parse_recompute(label)
-        return RECOMPUTE.index(plan.mode), plan.share, RECOMPUTE.index(plan.rest)
+        return RECOMPUTE.index(plan.mode), plan.share, RECOMPUTE.index(plan.rest), plan.once
 
     return sorted(set(modes), key=amount)
 
@@ -508,7 +512,7 @@ def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, ev
         total=len(names) * len(policies) * len(modes),
         desc="plan",
         unit="candidate",
-        disable=not progress,
+        disable=None if progress else True,  # None: tqdm draws only when stderr is a terminal
         file=sys.stderr,
         leave=False,
     )
@@ -574,7 +578,9 @@ def _evaluate_mode(names, policies, common, limit_bytes, mode, jobs, evaluate_do
                     )
                     for label, _ in policies
                 ],
-                _details(setups[name], None, simulation_sizes(common["pp"], common["num_microbatches"])),
+                _details(
+                    setups[name], None, simulation_sizes(common["pp"], common["num_microbatches"], name)
+                ),
             )
             bar.update(len(policies))
     tasks = [n for n in names if n not in alias and n not in results]
@@ -634,7 +640,7 @@ def _evaluate_schedule(
 ) -> tuple[list[Candidate], dict[str, Any]]:
     """One schedule: build its orders once, replay them under every offload policy (after the first that
     fits without offload, only with ``evaluate_dominated``: offload never makes an order faster)."""
-    sizes = simulation_sizes(setup.layout.num_ranks, num_microbatches)
+    sizes = simulation_sizes(setup.layout.num_ranks, num_microbatches, setup.schedule)
     orders = None
     if setup.problem is None:
         orders = build_orders(setup, sizes, search=mode, virtual_stages=virtual_stages)
@@ -651,7 +657,8 @@ def _evaluate_schedule(
             cand.skipped = "fits without offload, which is never slower"
         else:
             try:
-                _fill(cand, setup, evaluate_orders(setup, orders, policy), num_microbatches, limit_bytes)
+                summary, _ = predict(setup, orders, policy, num_microbatches)
+                _fill(cand, setup, summary, limit_bytes)
             except Exception as e:  # one failing replay must not sink the plan
                 cand.error = f"{type(e).__name__}: {e}"
             fits_plain = fits_plain or (label == "none" and cand.error is None and cand.fits)
@@ -668,11 +675,11 @@ def _order_key(setup: Setup, common: dict[str, Any]) -> tuple | None:
     d = setup.layout.num_ranks
     caps = {"ScheduleVMin": vshape.v_min_cap(d), "ScheduleVHalf": vshape.v_half_cap(d), "ScheduleVZB": 2 * d}
     cap = caps.get(setup.schedule, setup.memory_cap)
-    return (float(cap), setup.costs, tuple(simulation_sizes(d, common["num_microbatches"])), setup.recompute)
+    sizes = simulation_sizes(d, common["num_microbatches"], setup.schedule)
+    return (float(cap), setup.costs, tuple(sizes), setup.recompute)
 
 
-def _fill(cand: Candidate, setup: Setup, results, num_microbatches: int, limit_bytes: int) -> None:
-    summary = combine(results, num_microbatches)
+def _fill(cand: Candidate, setup: Setup, summary: dict[str, Any], limit_bytes: int) -> None:
     cand.pipeline_time = summary["makespan"]
     cand.bubble = summary["bubble"]
     cand.peak_units = summary["peak_units"]
@@ -709,7 +716,7 @@ def _details(setup: Setup, orders, sizes: list[int]) -> dict[str, Any]:
         "stage_times_s": [asdict(st.times) for st in setup.stages],
         "memory_cap_units": setup.memory_cap,
         "memory_limit": setup.memory_limit,
-        "simulated_microbatches": sizes,
+        "simulated_microbatches": sizes + ([orders.exact.sizes[0]] if orders and orders.exact else []),
         "order_seconds": orders.build_seconds if orders else 0.0,
         "problem": setup.problem or (orders.error if orders else None),
     }
@@ -760,7 +767,7 @@ def _gib(nbytes: float) -> str:
 def _reason(best: Candidate, ranked: list[Candidate], memory_gib: float, aliases: dict[str, str]) -> str:
     text = (
         f"fastest that fits in {memory_gib:g} GiB: {best.label}, {_seconds(best.step_time)} per step, "
-        f"{_gib(best.peak_bytes)} peak (rank {best.peak_rank})"
+        f"device peak {_gib(best.peak_bytes)} (rank {best.peak_rank})"
     )
     faster = [c for c in ranked if c.evaluated and not c.fits and c.step_time < best.step_time * (1 - _TIE)]
     if faster:
@@ -884,8 +891,9 @@ def _assumptions(spec: ModelSpec, dtype: str, mode: str, dp: int, dp_shard: bool
         "torch keeps a receive buffer per microbatch for each stage's input and output gradient; "
         "step(..., return_outputs=False) assumed (else the last stage keeps every microbatch's logits)",
         "loss computed after the last stage's forward (its fp32 log-probabilities are not offloaded)",
-        f"our V orders built with search={mode!r}; step time extrapolated from 2*pp and 3*pp microbatches "
-        "when m > 4*pp",
+        f"our V orders built with search={mode!r}; step times from the orders of all m microbatches, "
+        "or, past the planner's time budget, extrapolated from three sizes a whole steady-phase period "
+        "apart after checking the phase is reached (pp_offload.plan.evaluate.simulation_sizes)",
     ]
     if dp > 1:
         notes.append(

@@ -168,9 +168,9 @@ def format_summary(
         )
         lines += _wrap(f"recommended: {best.label}")
         lines += _wrap(
-            f"  {_seconds(best.step_time)} per step, bubble {100 * best.bubble:.1f}%, activations "
-            f"{best.activation_peak / GIB:.1f} GiB{ratio}, peak {best.peak_bytes / GIB:.1f} of {limit:g} GiB "
-            f"(rank {best.peak_rank})",
+            f"  {_seconds(best.step_time)} per step, bubble {100 * best.bubble:.1f}%, activation peak "
+            f"{best.activation_peak / GIB:.1f} GiB{ratio}, device peak {best.peak_bytes / GIB:.1f} of "
+            f"{limit:g} GiB (rank {best.peak_rank})",
             indent="    ",
         )
         lines += _wrap("why: " + _why(result, best))
@@ -191,7 +191,7 @@ def format_summary(
             else:
                 delta, note = _seconds(c.step_time), f"{c.over_bytes / GIB:.1f} GiB over"
             rows.append((c.name, c.offload, c.recompute, delta, f"{c.peak_bytes / GIB:.1f}", note))
-        head = ("schedule", "offload", "recompute", "vs pick" if best else "step", "peak GiB", "")
+        head = ("schedule", "offload", "recompute", "vs pick" if best else "step", "device peak GiB", "")
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         for r in [head, *rows]:
             cells = [f"{r[i]:<{widths[i]}}" for i in (0, 1, 2)] + [f"{r[i]:>{widths[i]}}" for i in (3, 4)]
@@ -244,7 +244,7 @@ def format_table(result: PlanResult) -> str:
     ref = _reference(result)
     head = (
         f"{'#':>3}  {'schedule':<31}{'offload':<16}{'recompute':<10}{'step ms':>9}{'bubble':>8}"
-        f"{'act units':>11}{'act GiB':>9}{'x 1F1B':>8}{'peak GiB (rank)':>17}  fits"
+        f"{'act units':>11}{'act peak GiB':>13}{'x 1F1B':>8}{'device peak GiB (rank)':>24}  fits"
     )
     lines += [head, "-" * len(head)]
     idle: dict[str, list[str]] = {}
@@ -272,8 +272,8 @@ def format_table(result: PlanResult) -> str:
         mark = "*" if c is result.recommended else " "
         lines.append(
             f"{k:>3}{mark} {c.name:<31}{c.offload:<16}{c.recompute:<10}{1e3 * c.step_time:>9.4g}"
-            f"{100 * c.bubble:>7.1f}%{round(c.peak_unit, 1):>11g}{c.activation_peak / GIB:>9.2f}{ratio:>8}"
-            f"{c.peak_bytes / GIB:>11.1f} ({c.peak_rank:>2})  {fits}"
+            f"{100 * c.bubble:>7.1f}%{round(c.peak_unit, 1):>11g}{c.activation_peak / GIB:>13.2f}{ratio:>8}"
+            f"{c.peak_bytes / GIB:>18.1f} ({c.peak_rank:>2})  {fits}"
         )
     by_reason: dict[str, list[str]] = {}
     for c in skipped:
@@ -294,8 +294,10 @@ def format_table(result: PlanResult) -> str:
     lines += _wrap(
         "columns: step ms = pipeline + dp gradient sync; bubble = 1 - busiest rank's compute / step; "
         "recompute = activation checkpointing of the decoder layers (selective: the elementwise ops, full: "
-        "whole layers); act units = peak activation chunks per rank (1F1B: 2*min(pp, m)); act GiB = peak "
-        "activation bytes, x 1F1B relative to 1F1B without offload; peak = whole memory of the fullest rank"
+        "whole layers); act units = peak activation chunks per rank (1F1B: 2*min(pp, m)); act peak GiB = "
+        "activation peak, the most saved-activation bytes on the device at once (fullest rank), x 1F1B "
+        "relative to 1F1B without offload; device peak = the whole device memory of the fullest rank at its "
+        "activation peak (parameters, gradients, optimizer, receive buffers, transient, reserve)"
     )
     lines += _wrap("assumptions: " + "; ".join(result.assumptions))
     return "\n".join(lines)

@@ -36,7 +36,7 @@ from typing import Any
 
 from pp_offload.order.actions import F
 from pp_offload.order.offload_inputs import activation_level
-from pp_offload.plan.evaluate import Setup, build_orders, combine, evaluate_orders, simulation_sizes
+from pp_offload.plan.evaluate import Setup, build_orders, predict, simulation_sizes
 from pp_offload.plan.handoff import planner_setup
 from pp_offload.plan.link_bound import LinkBound, LinkGap, link_bound, reach_at
 from pp_offload.plan.machines import resolve_machine
@@ -313,7 +313,7 @@ def _row(
         setup = planner_setup(model, schedule=schedule, recompute=recompute, **setting)
         m = setting["num_microbatches"]
         built = build_orders(
-            setup, simulation_sizes(setup.layout.num_ranks, m), search="auto", virtual_stages=2
+            setup, simulation_sizes(setup.layout.num_ranks, m, schedule), search="auto", virtual_stages=2
         )
         if built.error:
             raise RuntimeError(f"{schedule} with recompute {recompute}: {built.error}")
@@ -321,8 +321,7 @@ def _row(
     setup, built = setups[recompute], orders[recompute]
     m = setting["num_microbatches"]
     policy = "none" if room is None else {"mode": "budget", "max_slowdown": room, "granularity": granularity}
-    results = evaluate_orders(setup, built, policy)
-    summary = combine(results, m)
+    summary, results = predict(setup, built, policy, m)
     rank_saved = max(
         m * sum(setup.stages[s].activation.saved for s in setup.layout.stages_of(r))
         for r in range(setup.layout.num_ranks)

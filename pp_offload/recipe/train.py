@@ -5,7 +5,7 @@ exact), tell the loss the global target-token count, run the pipeline schedule (
 unsplit model on the same microbatches: the reference the pipelined run must reproduce), sum a tied
 weight's gradient across ranks when the two ends sit apart, clip by the norm over every pipeline and
 data-parallel rank, step AdamW. Rank 0 shows a progress bar and logs loss, tokens/s, learning rate and
-peak memory. With held-out data (``data.eval_split`` / ``data.eval_path``) the validation loss is measured
+the device peak. With held-out data (``data.eval_split`` / ``data.eval_path``) the validation loss is measured
 every ``train.eval_every`` steps and at the end, forward only (`pp_offload.models.evaluate_pipeline`).
 With a ``lora`` section the model is wrapped by peft before the split and only the adapters train
 (`pp_offload.models.lora`).
@@ -128,7 +128,9 @@ def _check(config: RecipeConfig) -> None:
         raise ConfigError(f"output.metrics may hold csv and tensorboard, got {sorted(unknown)}")
 
 
-def _peak_memory_mib(device: torch.device) -> float:
+def _device_peak_mib(device: torch.device) -> float:
+    """The device peak (docs/planner.md, *Two peaks*): CUDA's allocated high-water mark, or on CPU the
+    process's largest resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
@@ -191,7 +193,7 @@ class _Metrics:
             self.csv_file = path.open("w" if new else "a", newline="")
             self.writer = csv.writer(self.csv_file)
             if new:
-                self.writer.writerow(["step", "loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_mib"])
+                self.writer.writerow(["step", "loss", "grad_norm", "lr", "tokens_per_s", "device_peak_mib"])
         if "tensorboard" in config.output.metrics:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -210,7 +212,7 @@ class _Metrics:
                     step,
                     *(
                         f"{values[k]:.6g}"
-                        for k in ("loss", "grad_norm", "lr", "tokens_per_s", "peak_memory_mib")
+                        for k in ("loss", "grad_norm", "lr", "tokens_per_s", "device_peak_mib")
                     ),
                 ]
             )
@@ -430,7 +432,7 @@ def _run(
                     "grad_norm": norm,
                     "lr": lr,
                     "tokens_per_s": tokens / elapsed,
-                    "peak_memory_mib": _peak_memory_mib(device),
+                    "device_peak_mib": _device_peak_mib(device),
                 }
                 if metrics is not None:
                     metrics.log(step + 1, values)
@@ -441,7 +443,7 @@ def _run(
                         line = (
                             f"step {step + 1}/{train.steps}  loss {loss:.4f}  grad_norm {norm:.3f}  "
                             f"lr {lr:.2e}  tokens/s {values['tokens_per_s']:.0f}  "
-                            f"peak_mem {values['peak_memory_mib']:.0f} MiB"
+                            f"device_peak {values['device_peak_mib']:.0f} MiB"
                         )
                         say(line)
                 if bad_in_a_row >= train.max_bad_steps:
