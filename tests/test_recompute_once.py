@@ -78,9 +78,10 @@ def test_plan_strings_and_the_rule() -> None:
             parse_recompute(bad)
     with pytest.raises(ValueError, match="applies to a plan that recomputes"):
         RecomputePlan("none", once=True)
-    assert [recomputations(k, once=True) for k in ("F", "I", "W", "B")] == [0, 1, 0, 1]
+    torch_split = {"deferred_w": False, "once": True}
+    assert [recomputations(k, **torch_split) for k in ("F", "I", "W", "B")] == [0, 1, 0, 1]
     # torch's first stage runs its whole backward at W: that is the one recomputation
-    assert [recomputations(k, first_stage=True, once=True) for k in ("F", "I", "W", "B")] == [0, 0, 1, 1]
+    assert [recomputations(k, first_stage=True, **torch_split) for k in ("F", "I", "W", "B")] == [0, 0, 1, 1]
 
 
 def test_switching_between_once_and_per_pass_rewraps_the_layers() -> None:

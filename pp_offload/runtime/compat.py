@@ -61,6 +61,8 @@ __all__ = [
     "action_kind",
     "action_parts",
     "check_compile_compatibility",
+    "is_compiled_module",
+    "wrap_shape_inference_backward",
     "share_weight_pass_recomputation",
     "views_share_version",
     "install_action_handler",
@@ -134,6 +136,29 @@ def check_compile_compatibility(stages: Iterable[Any], schedule_name: str) -> No
     check = getattr(_schedules, "_check_torch_compile_compatibility", None)
     if check is not None:
         check(list(stages), schedule_name)
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile(module)`` wrapper or was compiled in place
+    (``module.compile()``, which sets the private ``_compiled_call_impl``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def wrap_shape_inference_backward(stage: Any, context: Callable[[], Any]) -> None:
+    """Run the input-gradient call torch's shape inference makes (``_compute_input_grads``, torch 2.13;
+    absent before) inside ``context()``. Idempotent; a no-op where torch has no such call."""
+    method = getattr(stage, "_compute_input_grads", None)
+    if method is None or getattr(method, "_pp_offload_wrapped", False):
+        return
+
+    def compute_input_grads(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return method(*args, **kwargs)
+
+    compute_input_grads._pp_offload_wrapped = True  # type: ignore[attr-defined]
+    stage._compute_input_grads = compute_input_grads
 
 
 # --- actions ----------------------------------------------------------------------------------------
