@@ -67,10 +67,9 @@ SAVED_OPS: tuple[str, ...] = (
 """aten ops whose outputs selective recompute keeps (any overload), and ``deferred_linear``, the linear of
 deferred weight gradients (`pp_offload.runtime.deferred_w`; a dispatch mode sees it as one op). Matmuls
 cost O(n^3) to recompute for O(n^2) bytes; the attention kernels more. Ops a torch build lacks are skipped.
-Composite ops (``linear``, ``matmul``) reach a dispatch mode already decomposed into ``mm``/``addmm``/``bmm``;
-eager attention
-(``attn_implementation="eager"``) computes its scores with ``matmul``, so they are kept too (seq x seq
-per head: prefer ``sdpa``, whose kernel keeps only its output and log-sum-exp)."""
+Composite ops (``linear``, ``matmul``) reach a dispatch mode already decomposed into
+``mm``/``addmm``/``bmm``; eager attention (``attn_implementation="eager"``) computes its scores with
+``matmul``, so they are kept too (seq x seq per head: prefer ``sdpa``, whose kernel keeps only its output and log-sum-exp)."""
 
 
 _OUTPUT_SAVING = frozenset(n for n in SAVED_OPS if "attention" in n)
