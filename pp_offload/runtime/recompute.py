@@ -69,7 +69,8 @@ deferred weight gradients (`pp_offload.runtime.deferred_w`; a dispatch mode sees
 cost O(n^3) to recompute for O(n^2) bytes; the attention kernels more. Ops a torch build lacks are skipped.
 Composite ops (``linear``, ``matmul``) reach a dispatch mode already decomposed into
 ``mm``/``addmm``/``bmm``; eager attention (``attn_implementation="eager"``) computes its scores with
-``matmul``, so they are kept too (seq x seq per head: prefer ``sdpa``, whose kernel keeps only its output and log-sum-exp)."""
+``matmul``, so they are kept too (seq x seq per head: prefer ``sdpa``, whose kernel keeps only its
+output and log-sum-exp)."""
 
 
 _OUTPUT_SAVING = frozenset(n for n in SAVED_OPS if "attention" in n)
