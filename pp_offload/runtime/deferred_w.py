@@ -227,9 +227,10 @@ def apply_queued_weight_grads(params: Iterable[torch.Tensor], entries: list[Any]
                 "the parameters being updated; run each backward through deferring layers via the pipeline "
                 "schedule, or call apply_queued_weight_grads with the module that holds the layer"
             )
-        grad = _weight_grad(x, dy, transposed)
-        del x, dy, weight
-        _accumulate(param, grad)
+        with torch.no_grad():  # x is a graph's intermediate: its product must not extend that graph
+            grad = _weight_grad(x, dy, transposed)
+            del x, dy, weight
+            _accumulate(param, grad)
         applied += 1
     return applied
 
