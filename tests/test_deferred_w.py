@@ -61,12 +61,18 @@ def _deferred(model: nn.Module) -> nn.Module:
     return model
 
 
-def test_queued_gemms_give_autograds_bits() -> None:
+def _reference_and_copy() -> tuple[torch.Tensor, nn.Module, nn.Module]:
+    """A batch, `_Tiny` after plain autograd on it, and a deferring copy of it with no gradients."""
     ids = torch.randint(0, 11, (4, 5))
     ref = _Tiny()
     _run(ref, ids)
     model = _deferred(copy.deepcopy(ref))
     model.zero_grad(set_to_none=True)
+    return ids, ref, model
+
+
+def test_queued_gemms_give_autograds_bits() -> None:
+    ids, ref, model = _reference_and_copy()
     assert {n for n, _ in deferred_modules(model)} == {"proj", "conv", "head"}  # the frozen one keeps its own
     for chunk in ids.tensor_split(2):
         with collecting():
@@ -87,11 +93,7 @@ def test_queued_gemms_give_autograds_bits() -> None:
 
 
 def test_outside_a_stage_the_gradient_is_accumulated_at_once() -> None:
-    ids = torch.randint(0, 11, (4, 5))
-    ref = _Tiny()
-    _run(ref, ids)
-    model = _deferred(copy.deepcopy(ref))
-    model.zero_grad(set_to_none=True)
+    ids, ref, model = _reference_and_copy()
     _run(model, ids)  # no collecting block: plain autograd's result, nothing queued
     assert deferred_w._QUEUE == []
     want, got = _grads(ref), _grads(model)
