@@ -17,9 +17,11 @@ from pp_offload.parallel import ShardedStages
 from pp_offload.recipe.config import RecipeConfig
 from pp_offload.recipe.topology import Topology
 from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
+from pp_offload.runtime.compile import CompileOptions, CompileWatch, compile_layers
 from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, unkeyed_dropout
 
 __all__ = ["Pipeline", "build_pipeline"]
+
 
 @dataclass
 class Pipeline:
@@ -39,6 +41,7 @@ class Pipeline:
     mesh: DeviceMesh
     sharded: ShardedStages | None = None
     dropout: DropoutKeys | None = None  # the training loop sets .step (pp_offload.runtime.dropout_keys)
+    compile_watch: CompileWatch | None = None  # train.compile: reports compile time after the second step
 
     @property
     def module(self) -> nn.Module:
@@ -144,6 +147,9 @@ def build_pipeline(
     recompute = checkpointing_mode(config.train.activation_checkpointing)
     if recompute is not None:
         activation_checkpointing(split, mode=recompute)
+    compile_watch = None
+    if (compile_options := CompileOptions.coerce(config.train.compile)) is not None:
+        compile_watch = CompileWatch(compile_layers(split.stages.values(), compile_options))
     sharded = None
     if topo.dp > 1 and shard:
         sharded = apply_fsdp(
@@ -202,4 +208,5 @@ def build_pipeline(
         mesh=mesh,
         sharded=sharded,
         dropout=dropout,
+        compile_watch=compile_watch,
     )

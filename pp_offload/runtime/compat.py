@@ -61,6 +61,7 @@ __all__ = [
     "action_kind",
     "action_parts",
     "check_compile_compatibility",
+    "compile_counters",
     "is_compiled_module",
     "wrap_shape_inference_backward",
     "share_weight_pass_recomputation",
@@ -159,6 +160,18 @@ def wrap_shape_inference_backward(stage: Any, context: Callable[[], Any]) -> Non
 
     compute_input_grads._pp_offload_wrapped = True  # type: ignore[attr-defined]
     stage._compute_input_grads = compute_input_grads
+
+
+def compile_counters() -> tuple[float, int]:
+    """(seconds spent compiling, graphs compiled) so far in this process, from dynamo's own counters
+    (private: ``torch._dynamo.utils``); (0.0, 0) where they are missing."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+    except ImportError:
+        return 0.0, 0
+    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+    seconds += sum(compilation_time_metrics.get("compile_fx.<locals>.bw_compiler", ()))
+    return float(seconds), int(counters["stats"].get("unique_graphs", 0))
 
 
 # --- actions ----------------------------------------------------------------------------------------

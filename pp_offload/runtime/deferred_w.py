@@ -77,8 +77,8 @@ def _input_grad(dy: torch.Tensor, weight: torch.Tensor, transposed: bool, shape:
     return _flat(dy).mm(w).reshape(shape)
 
 
-@torch.library.custom_op("pp_offload::deferred_linear", mutates_args=())
-def _deferred_linear(
+@torch.library.custom_op("pp_offload::linear_dw_queued", mutates_args=())
+def _linear_dw_queued(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, or GPT-2 ``Conv1D``'s ``addmm`` on a (in, out) weight."""
@@ -88,20 +88,27 @@ def _deferred_linear(
     return nn.functional.linear(x, weight, bias)
 
 
-@_deferred_linear.register_fake
+@_linear_dw_queued.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     out = weight.shape[1] if transposed else weight.shape[0]
     return x.new_empty(*x.shape[:-1], out)
 
 
-@torch.library.custom_op("pp_offload::input_grad_queue_weight", mutates_args=())
-def _input_grad_queue_weight(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, transposed: bool
+@torch.library.custom_op("pp_offload::input_grad_and_queue", mutates_args=())
+def _input_grad_and_queue(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, transposed: bool, compiled: bool
 ) -> torch.Tensor:
     """The input gradient; queues (x, dy) for W as a side effect. It returns dX so the partitioner keeps
-    it (an op whose output nobody uses would be dropped as dead code, and its queueing with it)."""
+    it (an op whose output nobody uses would be dropped as dead code, and its queueing with it).
+
+    ``compiled`` (set when the backward was traced by torch.compile): the queue keeps copies. Inductor
+    plans a compiled backward's memory as if an op kept none of its inputs: it reuses their buffers for
+    later intermediates of the same graph (and the saved activations' buffers, when it may donate them),
+    which would overwrite a queued tensor before W reads it (measured: wrong weight gradients)."""
     mode = _MODE[-1]
     if mode == "collect":
+        if compiled:
+            x, dy = x.clone(), dy.clone()
         _QUEUE.append((weight, x, dy, transposed))
     elif mode == "direct":
         ref = _WEIGHTS.get(_key(weight))
@@ -117,8 +124,10 @@ def _input_grad_queue_weight(
     return _input_grad(dy, weight, transposed, x.shape)
 
 
-@_input_grad_queue_weight.register_fake
-def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+@_input_grad_and_queue.register_fake
+def _(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, transposed: bool, compiled: bool
+) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -134,7 +143,8 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     dx = dw = db = None
     if need_w and need_x:
-        dx = torch.ops.pp_offload.input_grad_queue_weight(dy, x, weight, ctx.transposed)
+        compiled = torch.compiler.is_compiling()
+        dx = torch.ops.pp_offload.input_grad_and_queue(dy, x, weight, ctx.transposed, compiled)
     else:
         # No input gradient wanted (a first layer behind a frozen embedding): nothing would keep a queueing
         # op alive under compile, so the weight gradient is computed here, in I. Still one pass, still exact.
@@ -147,7 +157,7 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     return dx, dw, db, None
 
 
-_deferred_linear.register_autograd(_backward, setup_context=_setup_context)
+_linear_dw_queued.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --- which layers -----------------------------------------------------------------------------------------
@@ -172,7 +182,7 @@ def _linear_like(module: nn.Module, conv1d: type | None) -> bool | None:
 
 
 def _linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _deferred_linear(x, module.weight, module.bias, module._pp_offload_transposed)
+    return _linear_dw_queued(x, module.weight, module.bias, module._pp_offload_transposed)
 
 
 def deferred_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -62,9 +62,9 @@ SAVED_OPS: tuple[str, ...] = (
     "_scaled_dot_product_attention_math",
     "_flash_attention_forward",
     "_efficient_attention_forward",
-    "deferred_linear",
+    "linear_dw_queued",
 )
-"""aten ops whose outputs selective recompute keeps (any overload), and ``deferred_linear``, the linear of
+"""aten ops whose outputs selective recompute keeps (any overload), and ``linear_dw_queued``, the linear of
 deferred weight gradients (`pp_offload.runtime.deferred_w`; a dispatch mode sees it as one op). Matmuls
 cost O(n^3) to recompute for O(n^2) bytes; the attention kernels more. Ops a torch build lacks are skipped.
 Composite ops (``linear``, ``matmul``) reach a dispatch mode already decomposed into
