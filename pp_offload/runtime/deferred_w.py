@@ -42,6 +42,7 @@ __all__ = [
     "compiled_modules",
     "defer_weight_grads",
     "deferred_modules",
+    "own_forwards",
     "queued_bytes",
     "refuse_compiled_split",
 ]
@@ -299,6 +300,19 @@ class _Builder:
             apply_queued_weight_grads(submod.parameters(), entries)
 
         return run_w
+
+
+@contextlib.contextmanager
+def own_forwards(root: nn.Module) -> Iterator[None]:
+    """Run ``root``'s deferring layers with their own forward inside (plain autograd: weight gradients in
+    the same backward), e.g. to time a layer's I and W the way torch splits them; restored after."""
+    patched = [m for m in root.modules() if getattr(m, "_pp_offload_transposed", None) is not None]
+    saved = [(m, vars(m).pop("forward")) for m in patched]
+    try:
+        yield
+    finally:
+        for module, forward in saved:
+            module.forward = forward
 
 
 def _unpatch_layers(root: nn.Module) -> None:
