@@ -420,8 +420,8 @@ class RecomputeOption:
             layer_bytes, units = self._units(st, plan.modes(st.layers), per_layer_bytes)
             first = index == 0
             at_i, at_w, at_b = (recomputations(k, first_stage=first, once=self.once) for k in ("I", "W", "B"))
-            # torch's first stage runs its whole backward at W: a full backward's recomputation
-            at_input, at_weight = added[1] * at_i, (added[3] if first else added[2]) * at_w
+            # deferred W: I is the microbatch's one backward, so it pays a full backward's recomputation
+            at_input, at_weight = added[3] * at_i, added[2] * at_w
             stages.append(
                 replace(
                     st,
@@ -430,7 +430,7 @@ class RecomputeOption:
                     W=st.W + at_weight,
                     recompute_shared=st.recompute_shared + max(0.0, at_input + at_weight - added[3] * at_b),
                     saved_bytes=saved,
-                    held_after_input=st.saved_bytes - saved if self.once and not first else 0,
+                    held_after_input=0,  # deferred W: I releases the graph, +once keeps nothing for W
                     offload=st.offload * ratio,
                     reload=st.reload * ratio,
                     layer_bytes=layer_bytes,
