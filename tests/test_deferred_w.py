@@ -223,3 +223,33 @@ def test_compiled_layers_under_v_half_on_two_ranks() -> None:
             )
             seen.add(key)
     assert seen == set(want)
+
+
+def test_compile_options_and_regional_compile() -> None:
+    from pp_offload.runtime.compile import CompileOptions, CompileWatch, compile_layers
+
+    assert CompileOptions.coerce(False) is None and CompileOptions.coerce(None) is None
+    assert CompileOptions.coerce(True) == CompileOptions()
+    assert CompileOptions.coerce({"mode": "max-autotune", "fullgraph": True}) == CompileOptions(
+        mode="max-autotune", fullgraph=True
+    )
+    with pytest.raises(ValueError, match=r"unknown keys \['backnd'\]; known: mode, backend, fullgraph"):
+        CompileOptions.coerce({"backnd": "eager"})
+    with pytest.raises(ValueError, match="must be true, false or a mapping"):
+        CompileOptions.coerce("yes")
+    with pytest.raises(ValueError, match="fullgraph true/false"):
+        CompileOptions.coerce({"fullgraph": "no"})
+    stage = nn.Module()
+    stage.embed, stage.layers = nn.Embedding(4, 4), nn.ModuleList([_Block(), _Block()])
+    assert compile_layers([stage], CompileOptions(backend="eager")) == 2  # lazy: compiles at the first call
+    assert compiled_modules(stage) == ["layers.0", "layers.1"]
+    lines: list[str] = []
+    watch = CompileWatch(2)
+    watch.after_step(lines.append)
+    assert lines == []
+    watch.after_step(lines.append)
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("compile: 2 layers,")
+        and "0 graphs compiled after it" in lines[0]
+    )
