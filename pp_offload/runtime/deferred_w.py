@@ -182,13 +182,31 @@ def _linear_like(module: nn.Module, conv1d: type | None) -> bool | None:
     return None
 
 
-def _linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _linear_dw_queued(x, module.weight, module.bias, module._pp_offload_transposed)
+_CLASSES: dict[type, type] = {}
+
+
+def _deferring_class(cls: type, transposed: bool) -> type:
+    """``cls`` with its forward through the deferring op, one subclass per class (same name). Why a class
+    and not a per-instance forward: dynamo guards on the identity of an instance's forward, so a compiled
+    decoder layer would recompile for each layer's own bound forward; a shared class is one guard."""
+    sub = _CLASSES.get(cls)
+    if sub is None:
+
+        def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return _linear_dw_queued(x, self.weight, self.bias, transposed)
+
+        namespace = {"forward": forward, "_pp_offload_transposed": transposed, "_pp_offload_base": cls}
+        sub = _CLASSES[cls] = type(cls.__name__, (cls,), {**namespace, "__qualname__": cls.__qualname__})
+    return sub
+
+
+def _is_deferring(module: nn.Module) -> bool:
+    return "_pp_offload_base" in vars(type(module))
 
 
 def deferred_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers under ``root`` whose weight gradients `defer_weight_grads` queued for W."""
-    return [(n, m) for n, m in root.named_modules() if getattr(m, "_pp_offload_transposed", None) is not None]
+    return [(n, m) for n, m in root.named_modules() if _is_deferring(m)]
 
 
 def _patch_layers(root: nn.Module) -> int:
@@ -197,16 +215,15 @@ def _patch_layers(root: nn.Module) -> int:
     conv1d = _conv1d_class()
     count = 0
     for module in root.modules():
-        if getattr(module, "_pp_offload_transposed", None) is not None:
+        if _is_deferring(module):
             count += 1
             continue
         transposed = _linear_like(module, conv1d)
         weight = getattr(module, "weight", None)
         if transposed is None or not isinstance(weight, torch.Tensor) or not weight.requires_grad:
             continue
-        module._pp_offload_transposed = transposed
         _WEIGHTS[_key(weight)] = weakref.ref(weight)
-        module.forward = functools.partial(_linear_forward, module)
+        module.__class__ = _deferring_class(type(module), transposed)
         count += 1
     return count
 
@@ -306,20 +323,20 @@ class _Builder:
 def own_forwards(root: nn.Module) -> Iterator[None]:
     """Run ``root``'s deferring layers with their own forward inside (plain autograd: weight gradients in
     the same backward), e.g. to time a layer's I and W the way torch splits them; restored after."""
-    patched = [m for m in root.modules() if getattr(m, "_pp_offload_transposed", None) is not None]
-    saved = [(m, vars(m).pop("forward")) for m in patched]
+    patched = [(m, type(m)) for m in root.modules() if _is_deferring(m)]
+    for module, cls in patched:
+        module.__class__ = cls._pp_offload_base
     try:
         yield
     finally:
-        for module, forward in saved:
-            module.forward = forward
+        for module, cls in patched:
+            module.__class__ = cls
 
 
 def _unpatch_layers(root: nn.Module) -> None:
     for module in root.modules():
-        if getattr(module, "_pp_offload_transposed", None) is not None:
-            del module._pp_offload_transposed
-            vars(module).pop("forward", None)
+        if _is_deferring(module):
+            module.__class__ = module._pp_offload_base
 
 
 def all_deferring(stages: Iterable[Any]) -> bool:
