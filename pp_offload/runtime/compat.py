@@ -65,6 +65,7 @@ __all__ = [
     "is_compiled_module",
     "wrap_shape_inference_backward",
     "share_weight_pass_recomputation",
+    "installed_weight_pass",
     "views_share_version",
     "install_action_handler",
     "is_runtime_schedule",
@@ -450,6 +451,14 @@ def _weight_pass_in_one_group(original: Callable[..., Any]) -> Callable[..., Any
     stage_backward_weight.__wrapped__ = original  # type: ignore[attr-defined]
     stage_backward_weight._pp_offload_one_group = True  # type: ignore[attr-defined]
     return stage_backward_weight
+
+
+def installed_weight_pass() -> Callable[..., Any]:
+    """The ``stage_backward_weight`` torch's stages call now (with `share_weight_pass_recomputation` in
+    force: the one that shares a recomputation)."""
+    from torch.distributed.pipelining import stage as _stage
+
+    return _stage.stage_backward_weight
 
 
 def share_weight_pass_recomputation(enabled: bool = True) -> bool:

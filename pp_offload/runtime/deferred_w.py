@@ -44,6 +44,7 @@ __all__ = [
     "deferred_modules",
     "own_forwards",
     "queued_bytes",
+    "queued_storages",
     "refuse_compiled_split",
 ]
 
@@ -270,14 +271,19 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def queued_bytes() -> int:
-    """Bytes held by the queue (each distinct storage once): the deferred-W share of I-to-W memory."""
+def queued_storages() -> dict[tuple[Any, int], int]:
+    """(device, data pointer) -> bytes of each distinct storage the queue holds."""
     seen: dict[tuple[Any, int], int] = {}
     for _, x, dy, _ in _QUEUE:
         for t in (x, dy):
             storage = t.untyped_storage()
             seen[(t.device, storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
+    return seen
+
+
+def queued_bytes() -> int:
+    """Bytes held by the queue (each distinct storage once): the deferred-W share of I-to-W memory."""
+    return sum(queued_storages().values())
 
 
 @contextlib.contextmanager
