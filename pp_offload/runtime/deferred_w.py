@@ -14,8 +14,12 @@ tensors) are computed in I as a full backward computes them.
 
 The layer is a ``torch.library`` custom op with registered autograd, so dynamo and inductor see one opaque
 op inside a compiled layer, and its backward calls a second custom op that returns the input gradient and,
-when it runs, queues. The runtime side is torch's own hook, ``PipelineStage(..., dw_builder=...)``: with a
-builder, the stage runs a full backward at I and calls the builder's runner at W (at once after a B).
+when it runs, queues (copies of its tensors when the backward was compiled: inductor reuses an op's input
+buffers for later intermediates). Changing what the registered backward does needs new op names: torch's
+compile caches (AOT autograd, FX graph) key on the forward graph, which names only the forward op, and
+would hand an old backward back. The runtime side is torch's own hook,
+``PipelineStage(..., dw_builder=...)``: with a builder, the stage runs a full backward at I and calls the
+builder's runner at W (at once after a B).
 
 Use `defer_weight_grads` on a rank's stages before the first step; pp_offload's schedules and
 `pp_offload.runtime.catalog.build_schedule` do it for every split-backward schedule (``deferred_w=False``
@@ -241,7 +245,7 @@ def apply_queued_weight_grads(params: Iterable[torch.Tensor], entries: list[Any]
     the first, add the next), emptying the queue (or ``entries``) as it goes, so each queued tensor is
     freed once used. Returns how many were applied. An entry whose weight is none of ``params`` is an error:
     it would be a gradient silently lost. For hand-built code that runs a backward through deferring
-    layers outside a pipeline schedule, call it after ``loss.backward()``."""
+    layers outside a pipeline schedule: ``with collecting(): loss.backward()``, then call it."""
     queue = _QUEUE if entries is None else entries
     by_key = {_key(p): p for p in params if p.requires_grad}
     taken, queue[:] = list(queue), []
