@@ -226,7 +226,12 @@ def test_compiled_layers_under_v_half_on_two_ranks() -> None:
 
 
 def test_compile_options_and_regional_compile() -> None:
-    from pp_offload.runtime.compile import CompileOptions, CompileWatch, compile_layers
+    from pp_offload.runtime.compile import (
+        CompileOptions,
+        CompileWatch,
+        check_recompute_compiles,
+        compile_layers,
+    )
 
     assert CompileOptions.coerce(False) is None and CompileOptions.coerce(None) is None
     assert CompileOptions.coerce(True) == CompileOptions()
@@ -239,6 +244,10 @@ def test_compile_options_and_regional_compile() -> None:
         CompileOptions.coerce("yes")
     with pytest.raises(ValueError, match="fullgraph true/false"):
         CompileOptions.coerce({"fullgraph": "no"})
+    check_recompute_compiles(None)
+    check_recompute_compiles("full")
+    with pytest.raises(ValueError, match=r"activation_checkpointing='selective:0.5,mlp': selective and mlp"):
+        check_recompute_compiles("selective:0.5,mlp")
     stage = nn.Module()
     stage.embed, stage.layers = nn.Embedding(4, 4), nn.ModuleList([_Block(), _Block()])
     assert compile_layers([stage], CompileOptions(backend="eager")) == 2  # lazy: compiles at the first call

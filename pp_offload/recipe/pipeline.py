@@ -17,7 +17,7 @@ from pp_offload.parallel import ShardedStages
 from pp_offload.recipe.config import RecipeConfig
 from pp_offload.recipe.topology import Topology
 from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
-from pp_offload.runtime.compile import CompileOptions, CompileWatch, compile_layers
+from pp_offload.runtime.compile import CompileOptions, CompileWatch, check_recompute_compiles, compile_layers
 from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, unkeyed_dropout
 
 __all__ = ["Pipeline", "build_pipeline"]
@@ -125,6 +125,9 @@ def build_pipeline(
 
     spec = config.pipeline
     info = schedule_info(spec.schedule)
+    compile_options = CompileOptions.coerce(config.train.compile)  # a bad value stops before any work
+    if compile_options is not None:
+        check_recompute_compiles(checkpointing_mode(config.train.activation_checkpointing))
     per_rank = info.stages_per_rank(spec.stages_per_rank)
     num_stages = topo.pp * per_rank
     offload = spec.offload not in (None, "none")
@@ -148,7 +151,7 @@ def build_pipeline(
     if recompute is not None:
         activation_checkpointing(split, mode=recompute)
     compile_watch = None
-    if (compile_options := CompileOptions.coerce(config.train.compile)) is not None:
+    if compile_options is not None:
         compile_watch = CompileWatch(compile_layers(split.stages.values(), compile_options))
     sharded = None
     if topo.dp > 1 and shard:

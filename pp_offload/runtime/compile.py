@@ -27,7 +27,7 @@ from torch import nn
 
 from pp_offload.runtime import compat
 
-__all__ = ["CompileOptions", "CompileWatch", "compile_layers"]
+__all__ = ["CompileOptions", "CompileWatch", "check_recompute_compiles", "compile_layers"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,18 @@ def _layers(module: nn.Module) -> list[nn.Module]:
     """The module's decoder layers: its largest ``nn.ModuleList`` (the HF split keeps ``model.layers``)."""
     lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
     return list(max(lists, key=len)) if lists else []
+
+
+def check_recompute_compiles(recompute: str | None) -> None:
+    """Refuse selective and MLP-only recompute under compile: their dispatch modes
+    (`pp_offload.runtime.recompute`) run inside ``torch.utils.checkpoint`` through a ``context_fn`` dynamo
+    cannot trace (an internal dynamo error at the first step). Full recompute compiles."""
+    if recompute is not None and any(mode in recompute for mode in ("selective", "mlp")):
+        raise ValueError(
+            f"train.compile with train.activation_checkpointing={recompute!r}: selective and mlp recompute "
+            "run dispatch modes that torch.compile cannot trace; use full recompute (true) or none with "
+            "compile, or turn compile off"
+        )
 
 
 def compile_layers(modules: Iterable[nn.Module], options: CompileOptions | None = None) -> int:
