@@ -122,9 +122,10 @@ RECOMPUTE_FORMS: tuple[RecomputeForm, ...] = (
     RecomputeForm(
         "<plan>+once",
         "selective+once",
-        "Any plan above, recomputing once per microbatch under split backward: the input-gradient pass "
-        "keeps what it recomputed for the weight pass (the layer's activations stay on the device from "
-        "I to W) instead of each pass recomputing.",
+        "Accepted, no longer needed: with deferred weight gradients (the default of every split-backward "
+        "schedule) every plan recomputes once per microbatch. Under torch's retained-graph split "
+        "(deferred_w=False) the input-gradient pass keeps what it recomputed for the weight pass instead "
+        "of each pass recomputing.",
     ),
 )
 """Every form `parse_recompute` reads, in one place: its error message lists them, and the recipe's config
