@@ -9,14 +9,13 @@ bench shows the effect with real compute.
 
 Setup: 2 gloo ranks, one thread each, a Llama of 8 layers, hidden 256, intermediate 688, seq 256, fp32,
 microbatches of one row whose documents are packed (position ids restart), ``--microbatches`` of them (8).
-Every schedule x recompute mode (none, full, selective, mlp) is built fresh and timed side by side: per
-schedule, one warm-up round, then 5 (``--quick``: 3) rounds of one step of each mode in turn (so a change
-in the machine's load hits every mode of a schedule alike, not the cells timed last), each the slowest
-rank's time; the fastest is reported (on a shared machine the fastest step is the one least disturbed by
-other work), and the ratio to the same schedule without recompute. ``full (torch W)`` is full recompute
-with torch's own weight pass (one recomputation per parameter group): the cost before the fix, measured in
-the same run. ``+once`` rows recompute once per microbatch (I keeps what it recomputed for W,
-`pp_offload.runtime.recompute_once`): the time that keeping the layer's activations from I to W buys.
+Every schedule x cell (`MODES`: recompute none, full, selective, mlp with deferred W, the default; the
+same under torch's retained-graph split, ``(torch split)``; and decoder layers compiled in place,
+``(compiled)``) is built fresh and timed side by side: per schedule, one warm-up round (compiling
+included), then 5 (``--quick``: 3) rounds of one step of each cell in turn (so a change in the machine's
+load hits every cell of a schedule alike, not the cells timed last), each the slowest rank's time; the
+fastest is reported (on a shared machine the fastest step is the one least disturbed by other work), and
+the ratio to the same schedule without recompute (deferred W, eager).
 
 Counted on one more step of each cell (not timed): host-synchronizing ops in ``schedule.step``
 (`pp_offload.runtime.step_counts.SyncCounter`) and runs of each checkpointed module per microbatch
@@ -50,7 +49,20 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B")
-MODES = ("none", "full", "selective", "mlp", "full+once", "selective+once", "full (torch W)")
+MODES = (
+    "none",
+    "full",
+    "selective",
+    "mlp",
+    "none (torch split)",
+    "full (torch split)",
+    "selective (torch split)",
+    "none (compiled)",
+    "full (compiled)",
+)
+"""Recompute mode per cell; ``(torch split)``: torch's retained-graph I/W split instead of deferred W (the
+default: `pp_offload.runtime.deferred_w`); ``(compiled)``: each decoder layer compiled in place (inductor,
+`pp_offload.runtime.compile.compile_layers`), deferred W."""
 
 
 def _config(quick: bool) -> dict[str, Any]:
@@ -109,26 +121,38 @@ def _batch(cfg: dict[str, Any], m: int) -> dict[str, Any]:
     }
 
 
-def _pipeline(name: str, rank: int, cfg: dict[str, Any], m: int, recompute: str | None, offload: Any = None):
+def _pipeline(
+    name: str,
+    rank: int,
+    cfg: dict[str, Any],
+    m: int,
+    recompute: str | None,
+    offload: Any = None,
+    *,
+    variant: str = "",
+):
     import torch
     from torch.distributed.pipelining import PipelineStage
 
     from pp_offload.models import TokenCrossEntropy, split_model
     from pp_offload.parallel import activation_checkpointing
     from pp_offload.runtime.catalog import build_schedule, schedule_info, stage_indices
+    from pp_offload.runtime.compile import compile_layers
 
     info = schedule_info(name)
     ids = stage_indices(rank, 2, info.placement)
     split = split_model(_model(cfg), num_stages=4, stage_indices=ids, verify=False)
     if recompute is not None:
         activation_checkpointing(split, mode=recompute)
+    if variant == "compiled":
+        compile_layers(split.stages.values())
     stages = [PipelineStage(split.stages[s], s, 4, torch.device("cpu")) for s in ids]
     loss_fn = TokenCrossEntropy()
     loss_fn.num_target_tokens = m * cfg["seq"]
     kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
     if offload is not None:
         kwargs["offload"] = offload
-    schedule = build_schedule(info, stages, m, **kwargs)
+    schedule = build_schedule(info, stages, m, deferred_w=variant != "torch split", **kwargs)
     return split, schedule, ids
 
 
@@ -160,7 +184,7 @@ def _predict(rank: int, cfg: dict[str, Any], m: int) -> tuple[dict[str, dict[tup
     from pp_offload.plan.auto import PROBE_OFFLOAD, PROBE_SCHEDULE, choose, measure_step, recompute_options
     from pp_offload.plan.recompute_calibration import CALIBRATED_MODES
 
-    modes = tuple(mode for mode in MODES if mode != "none" and " " not in mode)  # "+once" plans included
+    modes = tuple(mode for mode in MODES if mode != "none" and " " not in mode)
     batch = _batch(cfg, m)
     split, probe, ids = _pipeline(PROBE_SCHEDULE, rank, cfg, m, None, offload=PROBE_OFFLOAD)
     step = _stepper(probe, ids, batch, split)
@@ -181,7 +205,6 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
     import torch
     import torch.distributed as dist
 
-    from pp_offload.runtime import compat
     from pp_offload.runtime.step_counts import SyncCounter, count_layer_runs
 
     torch.set_num_threads(1)
@@ -191,27 +214,24 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
     for name in SCHEDULES:
         cells = {}
         for mode in MODES:
-            recompute = None if mode == "none" else mode.split()[0]
-            split, schedule, ids = _pipeline(name, rank, cfg, m, recompute)
+            plan, _, variant = mode.partition(" ")
+            recompute = None if plan == "none" else plan
+            split, schedule, ids = _pipeline(name, rank, cfg, m, recompute, variant=variant.strip("()"))
             cells[mode] = (split, _stepper(schedule, ids, batch, split))
-        torch_w = [mode.endswith("(torch W)") for mode in MODES]
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
-        for timed in range(cfg["steps"] + 1):  # the first round warms up (buffers, first-step set-up)
-            for mode, theirs in zip(MODES, torch_w, strict=True):  # modes alternate: drift hits each alike
-                compat.share_weight_pass_recomputation(not theirs)
+        for timed in range(cfg["steps"] + 1):  # the first round warms up (buffers, compiling, first step)
+            for mode in MODES:  # modes alternate: drift hits each alike
                 dist.barrier()
                 began = time.perf_counter()
                 cells[mode][1]()
                 seconds = _slowest(time.perf_counter() - began)
                 if timed:
                     times[mode].append(seconds)
-        for mode, theirs in zip(MODES, torch_w, strict=True):
+        for mode in MODES:
             split, step = cells[mode]
-            compat.share_weight_pass_recomputation(not theirs)
             runs = count_layer_runs(split.stages.values())
             with SyncCounter() as syncs:
                 step()
-            compat.share_weight_pass_recomputation(True)
             per_layer = max(runs.values()) / m if runs else 0.0
             total_syncs = torch.tensor([syncs.total], dtype=torch.int64)
             dist.all_reduce(total_syncs, op=dist.ReduceOp.MAX)
@@ -244,7 +264,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     """Measured and predicted ratios to the same schedule without recompute; ``off``: predicted/measured."""
     base = {r["schedule"]: r for r in rows if r["mode"] == "none"}
     lines = [
-        f"{'schedule':24} {'recompute':15} {'step s':>7} {'x none':>7} {'probe x':>7} {'off':>5} "
+        f"{'schedule':24} {'recompute':24} {'step s':>7} {'x none':>7} {'probe x':>7} {'off':>5} "
         f"{'H100 x':>6} {'off':>5} {'runs/mb':>7} {'syncs':>5}",
     ]
     for r in rows:
@@ -253,7 +273,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         cells = []
         for key in ("probe", "H100"):
             p, q = r.get(f"predicted_step_s_{key}"), b.get(f"predicted_step_s_{key}")
-            pred = p / q if p and q and not r["mode"].endswith("(torch W)") else None
+            pred = p / q if p and q and " (" not in r["mode"] else None
             r[f"predicted_ratio_{key}"] = pred
             width = 7 if key == "probe" else 6
             cells.append(
@@ -262,7 +282,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 else f"{'-':>{width}} {'-':>5}"
             )
         lines.append(
-            f"{r['schedule']:24} {r['mode']:15} {r['step_s']:7.3f} {r['ratio']:7.2f} {cells[0]} {cells[1]} "
+            f"{r['schedule']:24} {r['mode']:24} {r['step_s']:7.3f} {r['ratio']:7.2f} {cells[0]} {cells[1]} "
             f"{r['runs_per_microbatch']:7.1f} {r['syncs_per_rank']:5d}"
         )
     return "\n".join(lines)
@@ -297,7 +317,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         )
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(SCHEDULES))], SCHEDULES, fontsize=8)
-    ax.set_ylabel("step time / without recompute")
+    ax.set_ylabel("step time / deferred W without recompute")
     ax.set_title(
         "Recompute cost on CPU (2 gloo ranks); black ticks: planner (recompute measured by the probe)"
     )

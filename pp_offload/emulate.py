@@ -182,6 +182,10 @@ class EmulatedStage(nn.Module):
     counted by `saved_activation_bytes` (0: none beyond the tiny input the weight grad needs).
     """
 
+    # Its I and W are the two autograd branches above, run by torch's retained-graph split: deferred W
+    # (`pp_offload.runtime.deferred_w`) would run both at I.
+    _pp_offload_own_split = True
+
     def __init__(
         self,
         hidden: int,

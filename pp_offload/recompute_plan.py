@@ -44,28 +44,34 @@ PASSES = ("F", "I", "W", "B")
 """A stage's passes for one microbatch: forward, input-gradient, weight-gradient, full backward."""
 
 
-def recomputations(kind: str, *, first_stage: bool = False, once: bool = False) -> int:
+def recomputations(
+    kind: str, *, first_stage: bool = False, once: bool = False, deferred_w: bool = True
+) -> int:
     """How many times one pass of ``kind`` re-runs each recomputed layer of its stage, for one microbatch.
 
     The one rule the runtime follows and the planner charges (``tests/test_recompute_counts.py`` counts the
-    runtime's recomputations against it):
+    runtime's recomputations against it). With deferred W (``deferred_w``, the default of every
+    split-backward schedule pp-offload runs: `pp_offload.runtime.deferred_w`), I is one ordinary backward
+    and W runs only the queued weight-gradient GEMMs:
 
-    - ``F`` runs the forward, nothing recomputed;
-    - ``I`` and ``W`` are separate autograd calls and each recomputes once (W's per-parameter-group calls
-      share one recomputation: `pp_offload.runtime.compat.share_weight_pass_recomputation`);
-    - ``B``, one full backward, recomputes once;
-    - torch's first stage (``first_stage``, no input gradient to compute) does nothing at I and runs its
-      whole backward at W: 0 at I, 1 at W.
+    - ``F`` runs the forward, nothing recomputed; ``I`` and ``B`` recompute once; ``W`` recomputes nothing.
 
-    So with split backward a recomputed layer runs 3 times per microbatch (F, I, W), with a full backward
-    twice (F, B).
+    So a recomputed layer runs twice per microbatch (F, I or F, B) on every stage, with or without ``once``
+    (``+once`` is no longer needed; it is still accepted and changes nothing).
 
-    ``once`` (a ``+once`` plan, `pp_offload.runtime.recompute_once`): I recomputes and keeps what it
-    recomputed for W, which recomputes nothing (0 at W); on torch's first stage W is the one backward
-    pass and recomputes once. So a layer runs twice per microbatch whatever the schedule."""
+    Under torch's retained-graph split (``deferred_w=False``): ``I`` and ``W`` are separate autograd calls
+    and each recomputes once (W's per-parameter-group calls share one recomputation:
+    `pp_offload.runtime.compat.share_weight_pass_recomputation`), torch's first stage (``first_stage``)
+    does nothing at I and runs its whole backward at W (0 at I, 1 at W): 3 runs per microbatch. ``once``
+    (`pp_offload.runtime.recompute_once`) keeps I's recomputation for W there (0 at W but on the first
+    stage): 2 runs."""
     if kind not in PASSES:
         raise ValueError(f"pass kind must be one of {', '.join(PASSES)}, got {kind!r}")
-    if kind == "F" or (kind == "I" and first_stage):
+    if kind == "F":
+        return 0
+    if deferred_w:
+        return 0 if kind == "W" else 1
+    if kind == "I" and first_stage:
         return 0
     if kind == "W" and once and not first_stage:
         return 0
@@ -128,10 +134,12 @@ RECOMPUTE_FORMS: tuple[RecomputeForm, ...] = (
     RecomputeForm(
         "<plan>+once",
         "selective+once",
-        "Any plan above, recomputing once per microbatch under split backward: the input-gradient pass "
-        "keeps what it recomputed for the weight pass (the layer's activations stay on the device from "
-        "I to W) instead of each pass recomputing.",
-        "On split-backward schedules, when the recompute it saves in W is worth the bytes held from I to W.",
+        "Accepted, no longer needed: with deferred weight gradients (the default of every split-backward "
+        "schedule) every plan recomputes once per microbatch. Under torch's retained-graph split "
+        "(deferred_w=False) the input-gradient pass keeps what it recomputed for the weight pass instead "
+        "of each pass recomputing.",
+        "Not by default: under deferred W it prices as the same plan without +once; the pickers weigh it "
+        "only when listed.",
     ),
 )
 """Every form `parse_recompute` reads, in one place: its error message lists them, and the recipe's config

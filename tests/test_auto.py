@@ -312,7 +312,8 @@ def test_auto_picks_a_two_mode_recompute_plan_where_it_is_fastest_within_budget(
     assert all(p <= b for p, b in zip(decision.peak_bytes, decision.budget_bytes, strict=True))
     one_mode = choose(measured, **kw, recompute=[o for o in options if o.rest == "none"])
     assert one_mode.recompute == "selective"  # the two-mode plan's place without it
-    assert decision.predicted_step_s < one_mode.predicted_step_s * (1 - 0.01)
+    # ~1.0% since deferred W moved each recomputation from W into I (it was over 1%)
+    assert decision.predicted_step_s < one_mode.predicted_step_s * (1 - 0.005)
     fitting = [c for c in decision.candidates if c.fits]
     assert min(c.predicted_step_s for c in fitting) == decision.predicted_step_s
     # the plan without its second mode does not fit: the MLP-only recompute of the fourth layer buys it

@@ -90,11 +90,12 @@ def test_auto_picks_sublayer_units_where_they_win() -> None:
     assert picked == ("ScheduleVZB", "budget:sublayer", "mlp")
     rows = {(c.schedule, c.offload, c.recompute): c for c in decision.candidates}
     layer = rows[("ScheduleVZB", "budget", "mlp")]
-    assert layer.fits and decision.predicted_step_s < layer.predicted_step_s * (1 - 0.01)
+    # deferred W moved each recomputation from W into I: the margin fell from over 1% to about 0.6%
+    assert layer.fits and decision.predicted_step_s < layer.predicted_step_s * (1 - 0.005)
     assert decision.candidates[0].max_peak < layer.max_peak
     assert not rows[("ScheduleVZB", "none", "mlp")].fits
     others = [c for c in decision.candidates[1:] if c.fits]
-    assert min(c.predicted_step_s for c in others) > decision.predicted_step_s * (1 + 0.01)
+    assert min(c.predicted_step_s for c in others) > decision.predicted_step_s * (1 + 0.005)
     inputs = OffloadInputs.from_dict(json.loads(json.dumps(decision.offload_inputs)))
     assert inputs.granularity == "sublayer"
     assert inputs.layers == tuple(2 * st.layers for st in measured.stages)  # mlp recompute: both halves stay

@@ -114,7 +114,7 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
-def _build(name: str, stages: list, loss_fn: Any, offload: str | None) -> Any:
+def _build(name: str, stages: list, loss_fn: Any, offload: str | None, deferred_w: bool = True) -> Any:
     from pp_offload.runtime.catalog import build_schedule, schedule_info
     from pp_offload.runtime.offload import enable_offload
 
@@ -123,7 +123,7 @@ def _build(name: str, stages: list, loss_fn: Any, offload: str | None) -> Any:
     ours = info.module == "pp_offload.runtime.schedules"
     if ours:
         kwargs["offload"] = offload
-    schedule = build_schedule(info, stages, MICROBATCHES, **kwargs)
+    schedule = build_schedule(info, stages, MICROBATCHES, deferred_w=deferred_w, **kwargs)
     if not ours and offload is not None:
         enable_offload(schedule, offload)
     return schedule
@@ -172,6 +172,7 @@ def _run_one(
     sgd_steps: int = 0,
     accumulate: int = 1,
     count: bool = False,
+    deferred_w: bool = True,
     **fsdp: Any,
 ) -> dict:
     """A fresh model, ``sgd_steps`` SGD steps, then ``accumulate`` steps without zeroing the gradients:
@@ -215,7 +216,7 @@ def _run_one(
         for s, module in sharded.modules.items()
     ]
     loss_fn = TokenCrossEntropy()
-    schedule = _build(name, stages, loss_fn, offload)
+    schedule = _build(name, stages, loss_fn, offload, deferred_w)
     sharded.attach(schedule)
     chunks = _record_chunks(schedule) if offload is not None else []
 
@@ -497,20 +498,23 @@ def _pitfall_worker(rank: int, world: int) -> dict:
 
     mesh = build_mesh(PP, DP, device_type="cpu")
     return {
-        "wrong": _run_one(mesh, "ScheduleZBVZeroBubble", None, wrapping="nested_default"),
+        "wrong": _run_one(mesh, "ScheduleZBVZeroBubble", None, wrapping="nested_default", deferred_w=False),
+        "deferred": _run_one(mesh, "ScheduleZBVZeroBubble", None, wrapping="nested_default"),
         "full_backward": _run_one(mesh, "ScheduleInterleaved1F1B", None, reshard_after_forward=True),
         "unattached": _unattached_forward(mesh),
     }
 
 
 def test_reshard_after_forward_pitfall() -> None:
-    """Nested fully_shard with reshard_after_forward=True (FSDP2's default for inner units) under a split
-    backward schedule: weight gradients of the decoder layers are missing or wrong, with no error (torch
-    2.13: ScheduleZBVZeroBubble; our V schedules stop with a KeyError in stage_backward_weight instead).
+    """Nested fully_shard with reshard_after_forward=True (FSDP2's default for inner units) under torch's
+    retained-graph split backward: weight gradients of the decoder layers are missing or wrong, with no
+    error (torch 2.13: ScheduleZBVZeroBubble; our V schedules stop with a KeyError in stage_backward_weight
+    instead). Deferred W (the default) is right with it: I is one ordinary backward, W needs no graph.
     A full-backward schedule (Interleaved1F1B) is right with it, which is why apply_fsdp allows it there.
     Also here: a stage holding the replicated tied weight refuses a training forward before ``attach``."""
     results = run_on_ranks(_pitfall_worker, PP * DP, timeout=120)
     _check_run([r["full_backward"] for r in results], "Interleaved1F1B reshard_after_forward=True")
+    _check_run([r["deferred"] for r in results], "ZBV deferred W, nested reshard_after_forward=True")
     _, ref_grads = _reference()
     wrong = []
     for rank, r in enumerate(results):

@@ -202,10 +202,9 @@ BLOCK_BYTES = ROWS * HIDDEN * 4  # one fp32 activation of a block
 
 def _step(rank: int, d: int, m: int, model: nn.Sequential, name: str, placement: str, policy: Any) -> tuple:
     """One step of ``name`` with offload ``policy`` on this rank: (schedule, losses, grads, stage ids)."""
-    import torch.distributed.pipelining as tp
     from torch.distributed.pipelining import PipelineStage
 
-    import pp_offload
+    from pp_offload.runtime.catalog import build_schedule, schedule_info
     from pp_offload.runtime.offload import enable_offload
 
     x, y = _batch(m)
@@ -214,10 +213,11 @@ def _step(rank: int, d: int, m: int, model: nn.Sequential, name: str, placement:
     stages = [PipelineStage(model[s], s, 2 * d, torch.device("cpu")) for s in ids]
     compat.skip_self_p2p_warmup(stages)  # torch 2.11 + gloo: no warm-up send to the own rank
     kwargs = {"loss_fn": _loss, "scale_grads": False}
-    if hasattr(pp_offload, name):
-        schedule = getattr(pp_offload, name)(stages, m, offload=policy, **kwargs)
-    else:
-        schedule = getattr(tp, name)(stages, m, **kwargs)
+    info = schedule_info(name)
+    if info.module == "pp_offload.runtime.schedules":
+        schedule = build_schedule(info, stages, m, offload=policy, **kwargs)
+    else:  # through build_schedule: deferred W for torch's split-backward schedules too
+        schedule = build_schedule(info, stages, m, **kwargs)
         enable_offload(schedule, policy)
     losses: list[torch.Tensor] = []
     schedule.step(

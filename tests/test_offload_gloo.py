@@ -48,16 +48,14 @@ def _schedules(d: int) -> list[tuple[str, str]]:
 
 
 def _build(name: str, stages: list, m: int, offload):
-    import torch.distributed.pipelining as tp
-
-    import pp_offload
+    from pp_offload.runtime.catalog import build_schedule, schedule_info
     from pp_offload.runtime.offload import enable_offload
 
     kwargs = {"loss_fn": _loss, "scale_grads": False}
-    if hasattr(pp_offload, name) and name.startswith("ScheduleV"):
+    if name.startswith("ScheduleV"):
         extra = {"memory_limit": 1.0} if name == "ScheduleVAdaptive" else {}
-        return getattr(pp_offload, name)(stages, m, offload=offload, **kwargs, **extra)
-    schedule = getattr(tp, name)(stages, m, **kwargs)
+        return build_schedule(schedule_info(name), stages, m, offload=offload, **kwargs, **extra)
+    schedule = build_schedule(schedule_info(name), stages, m, **kwargs)  # deferred W for torch's split ones
     enable_offload(schedule, offload)
     return schedule
 

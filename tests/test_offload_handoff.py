@@ -74,14 +74,13 @@ def _runtime(
 
 
 def _executed(actions: list[Any]) -> list[str]:
-    """Compute passes and copies of a lowered order, as torch executes them (stage 0: no I, W runs as B)."""
+    """Compute passes and copies of a lowered order, as the runtime executes them: deferred W runs every
+    stage's I and W as written (`pp_offload.runtime.deferred_w`)."""
     out = []
     for a in actions:
         kind = str(getattr(a.computation_type, "value", a.computation_type))
-        if kind not in ("F", "I", "W", "B", "OFFLOAD", "RELOAD") or (a.stage_index, kind) == (0, "I"):
-            continue
-        kind = "B" if (a.stage_index, kind) == (0, "W") else kind
-        out.append(f"{a.stage_index}{kind}{a.microbatch_index}")
+        if kind in ("F", "I", "W", "B", "OFFLOAD", "RELOAD"):
+            out.append(f"{a.stage_index}{kind}{a.microbatch_index}")
     return out
 
 

@@ -30,21 +30,20 @@ def _measured(calibration: RecomputeCalibration | None) -> Measurement:
 
 
 def test_apply_charges_the_measured_costs_per_recomputed_layer() -> None:
-    """Every layer selective, measured: F + forward per layer; I + input and W + weight per layer (one
-    recomputation each, `recomputations`); a full backward recomputes once, so ``recompute_shared`` is
-    what I and W add beyond one B; torch's stage 0 runs its whole backward at W: + backward there, I as
-    it was. The traffic model's forward_share (here absurd) is not used."""
+    """Every layer selective, measured: F + forward per layer; with deferred W (`recomputations`) I is the
+    microbatch's one backward: + a full backward's recomputation per layer on every stage, W unchanged,
+    nothing shared. The traffic model's forward_share (here absurd) is not used."""
     calibration = RecomputeCalibration(forward=0.005, backward=0.009, modes={"selective": SEL})
     option = RecomputeOption("selective", kept_share=0.5, forward_share=50.0)
     out = option.apply(_measured(calibration))
     first, *rest = out.stages
     assert first.F == pytest.approx(F + LAYERS * SEL.forward)
-    assert (first.I, first.W) == (pytest.approx(I), pytest.approx(W + LAYERS * SEL.backward))
+    assert (first.I, first.W) == (pytest.approx(I + LAYERS * SEL.backward), pytest.approx(W))
     assert first.recompute_shared == pytest.approx(0.0)
     for st in rest:
         assert st.F == pytest.approx(F + LAYERS * SEL.forward)
-        assert st.I == pytest.approx(I + LAYERS * SEL.input)
-        assert st.W == pytest.approx(W + LAYERS * SEL.weight)
+        assert st.I == pytest.approx(I + LAYERS * SEL.backward)
+        assert st.W == pytest.approx(W)
         # B = I + W - shared: one full backward's recomputation
         assert st.I + st.W - st.recompute_shared == pytest.approx(I + W + LAYERS * SEL.backward)
         assert st.saved_bytes == (1 << 20) // 2
@@ -60,9 +59,9 @@ def test_apply_mixes_a_measured_mode_with_an_unmeasured_one() -> None:
     st = option.apply(_measured(calibration)).stages[1]
     share = 0.25 * F / LAYERS
     assert st.F == pytest.approx(F + SEL.forward)
-    assert st.I == pytest.approx(I + SEL.input + share)
-    assert st.W == pytest.approx(W + SEL.weight + share)
-    assert st.recompute_shared == pytest.approx(SEL.input + SEL.weight - SEL.backward + share)
+    assert st.I == pytest.approx(I + SEL.backward + share)
+    assert st.W == pytest.approx(W)
+    assert st.recompute_shared == pytest.approx(0.0)
 
 
 def test_apply_without_calibration_keeps_the_share_model() -> None:
@@ -70,8 +69,8 @@ def test_apply_without_calibration_keeps_the_share_model() -> None:
     st = option.apply(_measured(None)).stages[1]
     per_layer = F / LAYERS
     assert st.F == pytest.approx(F)
-    assert (st.I, st.W) == (pytest.approx(I + LAYERS * per_layer), pytest.approx(W + LAYERS * per_layer))
-    assert st.recompute_shared == pytest.approx(LAYERS * per_layer)
+    assert (st.I, st.W) == (pytest.approx(I + LAYERS * per_layer), pytest.approx(W))
+    assert st.recompute_shared == pytest.approx(0.0)
 
 
 def test_calibration_round_trips_and_combines_ranks() -> None:
@@ -133,14 +132,14 @@ def test_a_real_layer_calibrates_and_is_given_back_as_it_was() -> None:
 
 
 def test_apply_charges_a_once_plan_one_measured_recomputation_in_i() -> None:
-    """``selective+once``: I recomputes (+ input per layer) and W does not (as measured without recompute);
-    torch's stage 0 still recomputes at W, its whole backward; the freed bytes are held from I to W."""
+    """``selective+once`` under deferred W: the same as ``selective`` (I recomputes, a full backward's
+    recomputation per layer; W does not), and nothing is held from I to W: +once is no longer needed."""
     calibration = RecomputeCalibration(forward=0.005, backward=0.009, modes={"selective": SEL})
     option = RecomputeOption("selective", kept_share=0.5, forward_share=50.0, once=True)
     first, *rest = option.apply(_measured(calibration)).stages
-    assert (first.I, first.W) == (pytest.approx(I), pytest.approx(W + LAYERS * SEL.backward))
+    assert (first.I, first.W) == (pytest.approx(I + LAYERS * SEL.backward), pytest.approx(W))
     assert first.held_after_input == 0
     for st in rest:
         assert st.F == pytest.approx(F + LAYERS * SEL.forward)
-        assert (st.I, st.W) == (pytest.approx(I + LAYERS * SEL.input), pytest.approx(W))
-        assert st.held_after_input == (1 << 20) - st.saved_bytes > 0
+        assert (st.I, st.W) == (pytest.approx(I + LAYERS * SEL.backward), pytest.approx(W))
+        assert st.held_after_input == 0

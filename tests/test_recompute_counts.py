@@ -16,8 +16,13 @@ from pp_offload.recompute_plan import recomputations
 
 
 def test_the_rule() -> None:
-    assert [recomputations(k) for k in ("F", "I", "W", "B")] == [0, 1, 1, 1]
-    assert [recomputations(k, first_stage=True) for k in ("F", "I", "W", "B")] == [0, 0, 1, 1]
+    for first in (False, True):
+        for once in (False, True):  # deferred W (the default): F and I (or B) only, on every stage
+            counts = [recomputations(k, first_stage=first, once=once) for k in ("F", "I", "W", "B")]
+            assert counts == [0, 1, 0, 1]
+    torch_split = {"deferred_w": False}
+    assert [recomputations(k, **torch_split) for k in ("F", "I", "W", "B")] == [0, 1, 1, 1]
+    assert [recomputations(k, first_stage=True, **torch_split) for k in ("F", "I", "W", "B")] == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="pass kind must be one of F, I, W, B, got 'X'"):
         recomputations("X")
 

@@ -125,12 +125,13 @@ def test_recompute_traffic_hand_computed_and_timed_over_hbm():
     full = recompute_seconds(big, H100, "bf16", recompute="full", **kw)
     assert full == pytest.approx(layer_flops(big, seq_len=4096).F * 4096 / H100.flops_for("bf16"))
     assert 0 < sel < full
-    # F unchanged; I and W each grow by one recompute of the stage's layers (split backward)
+    # F unchanged; I grows by one recompute of the stage's layers, W by none (deferred W: W runs only the
+    # queued weight-gradient GEMMs)
     plain = stage_times(big, H100, "bf16", layers=4, first=False, last=False, **kw)
     for mode, extra in (("selective", sel), ("full", full)):
         t = stage_times(big, H100, "bf16", layers=4, first=False, last=False, recompute=mode, **kw)
         assert t.F == plain.F
-        assert t.I == pytest.approx(plain.I + 4 * extra) and t.W == pytest.approx(plain.W + 4 * extra)
+        assert t.I == pytest.approx(plain.I + 4 * extra) and t.W == pytest.approx(plain.W)
 
 
 def test_hbm_bandwidth_presets_and_override():
@@ -221,23 +222,27 @@ def test_choose_considers_recompute_options():
     budget = int(0.8 * max(choose(measured, **kw).peak_bytes))
     decision = choose(measured, **kw, activation_budget_bytes=budget, recompute=[selective, full])
     assert decision.recompute == "selective" and max(decision.peak_bytes) <= budget
-    # per stage F, I, W (ms) with the recompute: I and W + 4 layers x 2.5 ms x 0.2; stage 0's I unchanged;
-    # a 4th entry where I and W both recompute: what a full backward B runs once (recomputations)
+    # per stage F, I, W (ms) with the recompute: I + 4 layers x 2.5 ms x 0.2 on every stage, W unchanged
+    # (deferred W recomputes nothing, so a full backward B shares nothing with I + W: no 4th entry)
     assert len(decision.stage_costs) == 8
-    assert decision.stage_costs[1] == pytest.approx([10.0, 14.0, 10.0, 2.0])
-    assert decision.stage_costs[0] == pytest.approx([10.0, 12.0, 10.0])
+    assert decision.stage_costs[1] == pytest.approx([10.0, 14.0, 8.0])
+    assert decision.stage_costs[0] == pytest.approx([10.0, 14.0, 8.0])
     assert "selective" in decision.table() and decision.to_dict()["recompute"] == "selective"
     applied = selective.apply(measured)
     st, base = applied.stages[1], measured.stages[1]
     assert st.F == base.F and st.I == pytest.approx(base.I + 4 * (0.010 / 4) * 0.2)
     assert st.saved_bytes == round(base.saved_bytes * 0.45)
-    assert applied.stages[0].I == measured.stages[0].I  # torch's stage 0: one backward, at W
+    assert applied.stages[0].I == st.I  # deferred W: stage 0's I is a real backward too
     options = {o.label: o for o in recompute_options(LLAMA_8B, seq_len=4096)}
     assert list(options) == list(DEFAULT_RECOMPUTE)
     assert DEFAULT_RECOMPUTE[0] == "mlp"
-    assert DEFAULT_RECOMPUTE[-4:] == ("selective", "full", "selective+once", "full+once")
+    # no +once by default: under deferred W it prices as the plan without it (asked for, it is offered)
+    assert DEFAULT_RECOMPUTE[-2:] == ("selective", "full")
+    assert not any("+once" in plan for plan in DEFAULT_RECOMPUTE)
+    once_plans = ["selective+once", "full+once"]
+    asked = {o.label: o for o in recompute_options(LLAMA_8B, seq_len=4096, modes=once_plans)}
     for mode in ("selective", "full"):  # the same shares; only the rule (W recomputes nothing) differs
-        once, per_pass = options[f"{mode}+once"], options[mode]
+        once, per_pass = asked[f"{mode}+once"], options[mode]
         assert once.once and not per_pass.once
         assert (once.kept_share, once.forward_share) == (per_pass.kept_share, per_pass.forward_share)
     sel, mlp = options["selective"], options["mlp"]

@@ -30,6 +30,8 @@ ADAPTIVE_LIMITS = {2: (1.0, 0.5), 3: (1.0, 0.7)}  # 0.5 at d=2: the 2-chunk floo
 
 def _configs(d: int) -> list[tuple[str, type, dict]]:
     configs = [(cls.__name__, cls, {}) for cls in (ScheduleVMin, ScheduleVHalf, ScheduleVZB)]
+    # Deferred W is the default; torch's retained-graph split stays available and must stay exact too.
+    configs.append(("ScheduleVHalf(torch split)", ScheduleVHalf, {"deferred_w": False}))
     configs += [
         (f"ScheduleVAdaptive({lim})", ScheduleVAdaptive, {"memory_limit": lim}) for lim in ADAPTIVE_LIMITS[d]
     ]
@@ -95,8 +97,12 @@ def _worker(rank: int, world_size: int, m: int, configs: list, timing: bool) -> 
         from pp_offload.runtime import compat
 
         out["timing"] = {}
+        from pp_offload.runtime.deferred_w import defer_weight_grads
+
         for cls in (ScheduleVHalf, ScheduleZBVZeroBubble):
-            schedule = cls(_stages(model, rank, d), m, loss_fn=_loss, scale_grads=False)
+            stages = _stages(model, rank, d)
+            defer_weight_grads(stages)  # torch's own class built by hand: the documented call
+            schedule = cls(stages, m, loss_fn=_loss, scale_grads=False)
             _step(schedule, rank, x, y)  # warm-up: shape inference and p2p set-up are not part of a step
             dist.barrier()
             with record_actions(schedule) as rec:

@@ -121,16 +121,15 @@ DEFAULT_RECOMPUTE = (
     "selective:0.75,mlp",
     "selective",
     "full",
-    "selective+once",
-    "full+once",
 )
 """Recompute plans `recompute_options` offers by default (`pp_offload.recompute_plan`), from little
 recompute to the most: MLP-only; selective on half or three quarters of each stage's layers, alone or
 with the MLP-only recompute on the others (the MLP group frees 54% of selective's bytes for 25% of its
 time, `pp_offload.plan.recompute_groups`, so the other layers give up much of their bytes for little);
-every layer selective; full; and selective and full recomputing once per microbatch (``+once``: I keeps
-what it recomputed for W, faster under split backward, the freed bytes back on the device from I to W,
-`pp_offload.runtime.recompute_once`). Why the two-mode plans: they fill the gaps between the one-mode steps,
+every layer selective; full. No ``+once`` plans: under deferred weight gradients (the default of every
+split-backward schedule, `pp_offload.runtime.deferred_w`) every plan recomputes once per microbatch, so a
+``+once`` plan prices as the plan without it and would only double the candidates. Why the two-mode
+plans: they fill the gaps between the one-mode steps,
 e.g. Llama-3-8B, seq 4096, pp 4, m 8 on the H100 at half of 1F1B's memory: ``selective:0.75,mlp`` fits
 where ``selective:0.75`` does not, 1.6% faster than ``selective`` (tests/test_auto.py)."""
 _TIE = 0.01
@@ -420,8 +419,8 @@ class RecomputeOption:
             layer_bytes, units = self._units(st, plan.modes(st.layers), per_layer_bytes)
             first = index == 0
             at_i, at_w, at_b = (recomputations(k, first_stage=first, once=self.once) for k in ("I", "W", "B"))
-            # torch's first stage runs its whole backward at W: a full backward's recomputation
-            at_input, at_weight = added[1] * at_i, (added[3] if first else added[2]) * at_w
+            # deferred W: I is the microbatch's one backward, so it pays a full backward's recomputation
+            at_input, at_weight = added[3] * at_i, added[2] * at_w
             stages.append(
                 replace(
                     st,
@@ -430,7 +429,7 @@ class RecomputeOption:
                     W=st.W + at_weight,
                     recompute_shared=st.recompute_shared + max(0.0, at_input + at_weight - added[3] * at_b),
                     saved_bytes=saved,
-                    held_after_input=st.saved_bytes - saved if self.once and not first else 0,
+                    held_after_input=0,  # deferred W: I releases the graph, +once keeps nothing for W
                     offload=st.offload * ratio,
                     reload=st.reload * ratio,
                     layer_bytes=layer_bytes,

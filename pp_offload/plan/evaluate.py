@@ -513,8 +513,6 @@ class OrderSet:
 
 
 def build_orders(setup: Setup, sizes: list[int], *, search: str, virtual_stages: int) -> OrderSet:
-    from pp_offload.sim import as_executed_by_torch
-
     out = OrderSet(sizes, search=search, virtual_stages=virtual_stages)
     start = time.perf_counter()
     try:
@@ -528,7 +526,9 @@ def build_orders(setup: Setup, sizes: list[int], *, search: str, virtual_stages:
                 memory_cap=setup.memory_cap,
                 virtual_stages=virtual_stages,
             )
-            out.orders[size] = as_executed_by_torch(order)
+            # as the runtime executes it: split-backward schedules defer weight gradients
+            # (`pp_offload.runtime.deferred_w`): stage 0's I is a real backward, the order runs as written
+            out.orders[size] = order
     except Exception as e:  # a schedule that cannot be built here is reported, not fatal
         out.error = f"{type(e).__name__}: {e}"
     out.build_seconds = time.perf_counter() - start

@@ -219,6 +219,7 @@ def calibrate_recompute(
     import torch
 
     from pp_offload.parallel import activation_checkpointing
+    from pp_offload.runtime.deferred_w import own_forwards
 
     kwargs = dict(kwargs or {})
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -279,22 +280,25 @@ def calibrate_recompute(
     best: dict[tuple[str, str], float] = {}
     done = 0
     began = time.perf_counter()
-    try:
-        for round_ in range(rounds + 1):  # round 0 warms up
-            for mode in every:
-                activation_checkpointing([layer], layers=lambda m: [m], mode=mode)
-                for split in (True, False):
-                    f, first, second = run(split)
-                    if not round_:
-                        continue
-                    for key, seconds in (("F", f), ("I" if split else "B", first), ("W", second)):
-                        if key != "W" or split:
-                            best[mode, key] = min(best.get((mode, key), math.inf), seconds)
-            done = round_
-            if round_ >= 2 and time.perf_counter() - began > budget_s:
-                break
-    finally:
-        activation_checkpointing([layer], layers=lambda m: [m], mode="none")
+    # A layer of a deferred-W pipeline (`pp_offload.runtime.deferred_w`) is timed with its linears' own
+    # forward: the two autograd calls below split I and W as torch does, which a deferring layer cannot.
+    with own_forwards(layer):
+        try:
+            for round_ in range(rounds + 1):  # round 0 warms up
+                for mode in every:
+                    activation_checkpointing([layer], layers=lambda m: [m], mode=mode)
+                    for split in (True, False):
+                        f, first, second = run(split)
+                        if not round_:
+                            continue
+                        for key, seconds in (("F", f), ("I" if split else "B", first), ("W", second)):
+                            if key != "W" or split:
+                                best[mode, key] = min(best.get((mode, key), math.inf), seconds)
+                done = round_
+                if round_ >= 2 and time.perf_counter() - began > budget_s:
+                    break
+        finally:
+            activation_checkpointing([layer], layers=lambda m: [m], mode="none")
     costs = {
         mode: ModeCost(*(max(0.0, best[mode, key] - best["none", key]) for key in ("F", "I", "W", "B")))
         for mode in wanted

@@ -149,6 +149,12 @@ class TrainConfig:
             of one layer per stage, for that share of the recompute time), with a second mode for the
             others, ``selective:0.75,mlp``. All compose with ``pipeline.offload``: what a layer keeps moves
             with its chunk (or layer, with a budget policy).
+        compile: Compile each decoder layer in place with ``torch.compile`` (regional compile): ``false``,
+            ``true``, or ``{mode: ..., backend: inductor, fullgraph: false}``. Works with every schedule:
+            split-backward ones defer weight gradients to W (docs/hot-path.md), so a compiled layer's
+            backward runs once per microbatch. With full recompute or none (selective and mlp recompute
+            are refused: their dispatch modes do not compile). The compile time and the graphs compiled
+            after the first step are printed once.
         seed: Seed of the weights' initialisation and of the batch order.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         timeout_s: Collective timeout in seconds: a stuck or missing rank fails the job instead of
@@ -178,6 +184,7 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     precision: str = "fp32"
     activation_checkpointing: bool | str = False
+    compile: bool | dict[str, Any] = False
     seed: int = 0
     device: str = "auto"
     timeout_s: float = 600.0

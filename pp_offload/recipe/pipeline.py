@@ -17,9 +17,11 @@ from pp_offload.parallel import ShardedStages
 from pp_offload.recipe.config import RecipeConfig
 from pp_offload.recipe.topology import Topology
 from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
+from pp_offload.runtime.compile import CompileOptions, CompileWatch, compile_layers
 from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, unkeyed_dropout
 
 __all__ = ["Pipeline", "apply_recompute", "build_pipeline", "rank_schedule", "split_for_rank"]
+
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Pipeline:
     mesh: DeviceMesh
     sharded: ShardedStages | None = None
     dropout: DropoutKeys | None = None  # the training loop sets .step (pp_offload.runtime.dropout_keys)
+    compile_watch: CompileWatch | None = None  # train.compile: reports compile time after the second step
 
     @property
     def module(self) -> nn.Module:
@@ -125,6 +128,7 @@ def build_pipeline(
 
     spec = config.pipeline
     info = schedule_info(spec.schedule)
+    compile_options = CompileOptions.coerce(config.train.compile)  # checked by preflight
     num_stages = topo.pp * info.stages_per_rank(spec.stages_per_rank)
     model.train()
     split = split_for_rank(config, model, info, pp=topo.pp, pp_rank=topo.pp_rank)
@@ -137,6 +141,9 @@ def build_pipeline(
             init_adapters(split.module, seed=config.train.seed)
     split.module.to(device)
     apply_recompute(config, split)
+    compile_watch = None
+    if compile_options is not None:
+        compile_watch = CompileWatch(compile_layers(split.stages.values(), compile_options))
     sharded = None
     if topo.dp > 1 and shard:
         sharded = apply_fsdp(
@@ -181,6 +188,7 @@ def build_pipeline(
         mesh=mesh,
         sharded=sharded,
         dropout=dropout,
+        compile_watch=compile_watch,
     )
 
 

@@ -80,7 +80,20 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
             f"pipeline.offload needs a multi-stage schedule; {info.name} is single-stage: use e.g. "
             "ScheduleVHalf or ScheduleInterleaved1F1B"
         )
+    _check_compile(config)
     return info
+
+
+def _check_compile(config: RecipeConfig) -> None:
+    """``train.compile``'s value, and the recompute plans it cannot compile (`pp_offload.runtime.compile`)."""
+    from pp_offload.parallel import checkpointing_mode
+    from pp_offload.runtime.compile import CompileOptions, check_recompute_compiles
+
+    try:
+        if CompileOptions.coerce(config.train.compile) is not None:
+            check_recompute_compiles(checkpointing_mode(config.train.activation_checkpointing))
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
 
 
 def _fewer_stages_fix(info: ScheduleInfo, num_layers: int, world: int) -> str:

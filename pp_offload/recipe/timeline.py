@@ -42,6 +42,8 @@ class StepTimeline:
         """Collective: every rank calls it after the recorded step. Returns the PNG path on rank 0."""
         from pp_offload.order import Action
         from pp_offload.plot import measured_costs, plot_side_by_side
+        from pp_offload.runtime.compat import schedule_stages
+        from pp_offload.runtime.deferred_w import all_deferring
         from pp_offload.sim import as_executed_by_torch
 
         assert self.timer is not None
@@ -59,8 +61,10 @@ class StepTimeline:
             for rank, actions in self.schedule.pipeline_order.items()
         }
         (self.out / "trace.json").write_text(json.dumps(chrome_trace(events)) + "\n")
+        # deferred W runs the order as written; torch's split runs stage 0's backward at its W
+        deferring = all_deferring(schedule_stages(self.schedule))
         return plot_side_by_side(
-            as_executed_by_torch(order),
+            order if deferring else as_executed_by_torch(order),
             events,
             self.out / "timeline.png",
             measured_costs(events),

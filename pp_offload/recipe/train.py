@@ -399,6 +399,8 @@ def _run(
                         local_loss = torch.tensor(reference.step(batch), dtype=torch.float64)
                 if timeline is not None and step == timeline_step:
                     result.timeline_png = timeline.finish()
+                if pipeline is not None and pipeline.compile_watch is not None:
+                    pipeline.compile_watch.after_step(say)
                 if pipeline is not None and pipeline.tied is not None:
                     where.enter("the tied weight's gradient all-reduce")
                     pipeline.tied.sync_grads()

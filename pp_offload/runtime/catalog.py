@@ -116,10 +116,24 @@ def stage_indices(rank: int, num_ranks: int, placement: str, stages_per_rank: in
     raise ValueError(f"placement must be 'v', 'loop' or 'single', got {placement!r}")
 
 
-def build_schedule(info: ScheduleInfo, stages: list[Any], num_microbatches: int, **kwargs: Any) -> Any:
-    """Instantiate ``info``'s class on this rank's ``stages`` (a single stage for single-stage schedules)."""
+def build_schedule(
+    info: ScheduleInfo, stages: list[Any], num_microbatches: int, *, deferred_w: bool = True, **kwargs: Any
+) -> Any:
+    """Instantiate ``info``'s class on this rank's ``stages`` (a single stage for single-stage schedules).
+
+    A split-backward schedule defers its stages' linear-like weight gradients to W
+    (`pp_offload.runtime.deferred_w`; ours do it themselves, torch's get it here) unless ``deferred_w`` is
+    False; either way a stage left on torch's retained-graph split must hold no compiled module."""
     from pp_offload.runtime import compat
+    from pp_offload.runtime.deferred_w import defer_weight_grads, refuse_compiled_split
 
     compat.skip_self_p2p_warmup(stages)
+    if info.module == _OURS:
+        kwargs["deferred_w"] = deferred_w
+    else:  # a schedule without split backward needs no queue: layers left deferring are given back
+        defer_weight_grads(stages, enabled=info.split_backward and deferred_w)
     target = stages if info.multi_stage else stages[0]
-    return info.cls(target, num_microbatches, **kwargs)
+    schedule = info.cls(target, num_microbatches, **kwargs)
+    if info.split_backward:
+        refuse_compiled_split(stages, info.name)
+    return schedule

@@ -61,7 +61,11 @@ __all__ = [
     "action_kind",
     "action_parts",
     "check_compile_compatibility",
+    "compile_counters",
+    "is_compiled_module",
+    "wrap_shape_inference_backward",
     "share_weight_pass_recomputation",
+    "installed_weight_pass",
     "views_share_version",
     "install_action_handler",
     "is_runtime_schedule",
@@ -134,6 +138,41 @@ def check_compile_compatibility(stages: Iterable[Any], schedule_name: str) -> No
     check = getattr(_schedules, "_check_torch_compile_compatibility", None)
     if check is not None:
         check(list(stages), schedule_name)
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile(module)`` wrapper or was compiled in place
+    (``module.compile()``, which sets the private ``_compiled_call_impl``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def wrap_shape_inference_backward(stage: Any, context: Callable[[], Any]) -> None:
+    """Run the input-gradient call torch's shape inference makes (``_compute_input_grads``, torch 2.13;
+    absent before) inside ``context()``. Idempotent; a no-op where torch has no such call."""
+    method = getattr(stage, "_compute_input_grads", None)
+    if method is None or getattr(method, "_pp_offload_wrapped", False):
+        return
+
+    def compute_input_grads(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return method(*args, **kwargs)
+
+    compute_input_grads._pp_offload_wrapped = True  # type: ignore[attr-defined]
+    stage._compute_input_grads = compute_input_grads
+
+
+def compile_counters() -> tuple[float, int]:
+    """(seconds spent compiling, graphs compiled) so far in this process, from dynamo's own counters
+    (private: ``torch._dynamo.utils``); (0.0, 0) where they are missing."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+    except ImportError:
+        return 0.0, 0
+    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+    seconds += sum(compilation_time_metrics.get("compile_fx.<locals>.bw_compiler", ()))
+    return float(seconds), int(counters["stats"].get("unique_graphs", 0))
 
 
 # --- actions ----------------------------------------------------------------------------------------
@@ -412,6 +451,14 @@ def _weight_pass_in_one_group(original: Callable[..., Any]) -> Callable[..., Any
     stage_backward_weight.__wrapped__ = original  # type: ignore[attr-defined]
     stage_backward_weight._pp_offload_one_group = True  # type: ignore[attr-defined]
     return stage_backward_weight
+
+
+def installed_weight_pass() -> Callable[..., Any]:
+    """The ``stage_backward_weight`` torch's stages call now (with `share_weight_pass_recomputation` in
+    force: the one that shares a recomputation)."""
+    from torch.distributed.pipelining import stage as _stage
+
+    return _stage.stage_backward_weight
 
 
 def share_weight_pass_recomputation(enabled: bool = True) -> bool:

@@ -68,6 +68,7 @@ from pp_offload.order.offload import OffloadPlan, plan_offload, resolve_offload
 from pp_offload.order.offload_inputs import OffloadInputs
 from pp_offload.order.zb_offload import pull_weight_passes
 from pp_offload.runtime import compat
+from pp_offload.runtime.deferred_w import all_deferring
 from pp_offload.runtime.store import ActivationStore
 from pp_offload.sim import as_executed_by_torch
 
@@ -159,7 +160,11 @@ def enable_offload(
             kwargs["layers"] = [counts.get(s, assumed) for s in range(num_stages)]
     if costs.transfer == 0:
         costs = dataclasses.replace(costs, transfer=_DEFAULT_TRANSFER * costs.F)
-    plan = plan_offload(as_executed_by_torch(schedule.pipeline_order), costs, policy, **kwargs)
+    # Deferred W (`pp_offload.runtime.deferred_w`): stage 0's I is a real backward and its W the queued
+    # GEMMs, so the order runs as written; torch's retained-graph split runs stage 0's backward at W.
+    order = schedule.pipeline_order
+    executed = order if all_deferring(stages) else as_executed_by_torch(order)
+    plan = plan_offload(executed, costs, policy, **kwargs)
     if plan.pulled:  # offload-aware order (close_w): run the plan's sequence, W right after I where it moved
         pulled = [key for keys in plan.pulled.values() for key in keys]
         compat.relower(schedule, pull_weight_passes(schedule.pipeline_order, pulled))

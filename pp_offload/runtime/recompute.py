@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from pp_offload.runtime import compat
+from pp_offload.runtime import compat, deferred_w  # noqa: F401  (deferred_w registers its op)
 from pp_offload.runtime.store import SavedInCapture, save_in_capture
 
 __all__ = ["NON_SAVING_OPS", "SAVED_OPS", "saved_op_packets", "selective_checkpoint_context"]
@@ -62,12 +62,15 @@ SAVED_OPS: tuple[str, ...] = (
     "_scaled_dot_product_attention_math",
     "_flash_attention_forward",
     "_efficient_attention_forward",
+    "linear_dw_queued",
 )
-"""aten ops whose outputs selective recompute keeps (any overload). Matmuls cost O(n^3) to recompute for
-O(n^2) bytes; the attention kernels more. Ops a torch build lacks are skipped. Composite ops (``linear``,
-``matmul``) reach a dispatch mode already decomposed into ``mm``/``addmm``/``bmm``; eager attention
-(``attn_implementation="eager"``) computes its scores with ``matmul``, so they are kept too (seq x seq
-per head: prefer ``sdpa``, whose kernel keeps only its output and log-sum-exp)."""
+"""aten ops whose outputs selective recompute keeps (any overload), and ``linear_dw_queued``, the linear of
+deferred weight gradients (`pp_offload.runtime.deferred_w`; a dispatch mode sees it as one op). Matmuls
+cost O(n^3) to recompute for O(n^2) bytes; the attention kernels more. Ops a torch build lacks are skipped.
+Composite ops (``linear``, ``matmul``) reach a dispatch mode already decomposed into
+``mm``/``addmm``/``bmm``; eager attention (``attn_implementation="eager"``) computes its scores with
+``matmul``, so they are kept too (seq x seq per head: prefer ``sdpa``, whose kernel keeps only its
+output and log-sum-exp)."""
 
 
 _OUTPUT_SAVING = frozenset(n for n in SAVED_OPS if "attention" in n)
@@ -109,8 +112,9 @@ again), so the list affects bytes and time, never results."""
 
 @functools.cache
 def saved_op_packets(names: tuple[str, ...] = SAVED_OPS) -> frozenset[Any]:
-    """The ``torch.ops.aten`` op packets of ``names`` this torch has."""
-    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+    """The op packets of ``names`` this torch has (``torch.ops.aten``, then pp_offload's own ops)."""
+    namespaces = (torch.ops.aten, torch.ops.pp_offload)
+    return frozenset(getattr(ns, n) for n in names for ns in namespaces if hasattr(ns, n))
 
 
 class _Plain:

@@ -33,6 +33,7 @@ from pp_offload.order import Costs, adaptive_v_order, v_half_order, v_min_order,
 from pp_offload.order.actions import Order, v_stages
 from pp_offload.order.offload_inputs import OffloadInputs
 from pp_offload.runtime import compat
+from pp_offload.runtime.deferred_w import defer_weight_grads, refuse_compiled_split
 from pp_offload.runtime.offload import enable_offload
 from pp_offload.runtime.search_group import stage_gather
 
@@ -63,6 +64,7 @@ class _VSchedule(compat.RuntimeBase):
         offload: Any = None,
         offload_inputs: OffloadInputs | Mapping[str, Any] | None = None,
         spread_search: bool = True,
+        deferred_w: bool = True,
     ):
         """Arguments as for torch's multi-stage schedules (e.g. ``ScheduleZBVZeroBubble``), plus:
 
@@ -80,6 +82,9 @@ class _VSchedule(compat.RuntimeBase):
         spread_search: build the order together with the other ranks of the stages' process group (each
             searches a share, all get the same order; every rank must construct its schedule at the same
             time, as pipeline ranks do). ``False``: this rank searches alone.
+        deferred_w: defer linear-like weight gradients to W (`pp_offload.runtime.deferred_w`): I is one
+            backward without a retained graph, so compiled layers and checkpointed layers run their
+            backward once. ``False``: torch's retained-graph split (refused on compiled stages).
         """
         name = type(self).__name__
         stages = list(stages)
@@ -102,7 +107,10 @@ class _VSchedule(compat.RuntimeBase):
                 f"{name}: invalid costs {costs!r} ({e}); pass None for unit costs, a Costs, or a mapping "
                 "like {'F': 1.0, 'I': 1.0, 'W': 1.0, 'comm': 0.0} with positive F/I/W and comm >= 0"
             ) from e
-        compat.check_compile_compatibility(stages, name)
+        defer_weight_grads(stages, enabled=deferred_w)
+        if not deferred_w:
+            compat.check_compile_compatibility(stages, name)
+        refuse_compiled_split(stages, name)
         compat.skip_self_p2p_warmup(stages)
         super().__init__(
             stages=stages,
@@ -214,6 +222,7 @@ class ScheduleVAdaptive(_VSchedule):
         offload: Any = None,
         offload_inputs: OffloadInputs | Mapping[str, Any] | None = None,
         spread_search: bool = True,
+        deferred_w: bool = True,
     ):
         if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real):
             raise ValueError(
@@ -240,6 +249,7 @@ class ScheduleVAdaptive(_VSchedule):
             offload=offload,
             offload_inputs=offload_inputs,
             spread_search=spread_search,
+            deferred_w=deferred_w,
         )
 
     def _generate(self, num_ranks: int, num_microbatches: int, costs: Costs) -> Order:
