@@ -677,7 +677,7 @@ def test_default_recompute_plans_are_those_schedule_auto_weighs():
     from pp_offload.plan.planner import _recompute_modes
 
     assert DEFAULT_RECOMPUTE == ("none", *auto.DEFAULT_RECOMPUTE)
-    assert {"selective+once", "full+once"} <= set(_recompute_modes(None))
+    assert not any("+once" in mode for mode in _recompute_modes(None))  # deferred W: priced as the plain plan
     assert sorted(_recompute_modes(None)) == sorted(DEFAULT_RECOMPUTE)
 
 

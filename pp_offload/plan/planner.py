@@ -66,7 +66,8 @@ DEFAULT_OFFLOAD = (
 )
 DEFAULT_RECOMPUTE = ("none", *AUTO_RECOMPUTE)
 """Recompute plans tried by default (`pp_offload.recompute_plan`): none, then exactly the plans
-``schedule: auto`` weighs (`pp_offload.plan.auto.DEFAULT_RECOMPUTE`, ``+once`` plans included), so the
+``schedule: auto`` weighs (`pp_offload.plan.auto.DEFAULT_RECOMPUTE`; no ``+once`` plans: deferred W prices
+them as the plain ones), so the
 planner and the recipe's auto choose among the same candidates."""
 SINGLE_STAGE = ("Schedule1F1B", "ScheduleGPipe")
 """torch's single-stage schedules: they run on torch's older executor, which cannot take OFFLOAD/RELOAD."""
@@ -267,7 +268,7 @@ def plan(
         would save; by default they are listed as skipped, which saves most of the planning time.
     recompute: activation recompute plans to try (default `DEFAULT_RECOMPUTE`: ``none`` and the plans
         ``schedule: auto`` weighs, ``mlp``, ``selective:0.5``, ``selective:0.75``, ``selective:0.5,mlp``,
-        ``selective:0.75,mlp``, ``selective``, ``full``, ``selective+once``, ``full+once``; a mode with a
+        ``selective:0.75,mlp``, ``selective``, ``full``; a mode with a
         share recomputes the first share of each stage's layers, a second mode after a comma the others;
         `pp_offload.plan.memory` and `pp_offload.plan.costs` model their bytes and time).
         Recompute candidates of a schedule that fits without offload and recompute are skipped unless
