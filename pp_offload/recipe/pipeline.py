@@ -23,7 +23,6 @@ from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, u
 __all__ = ["Pipeline", "apply_recompute", "build_pipeline", "rank_schedule", "split_for_rank"]
 
 
-
 @dataclass
 class Pipeline:
     """This rank's share of the pipelined model: stages, schedule, loss and the tied-weight fix-up.
