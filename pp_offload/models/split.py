@@ -26,10 +26,12 @@ import torch
 from torch import nn
 
 from pp_offload.balance import balanced_layers
+from pp_offload.models.chain import chain_stages
 from pp_offload.models.families import INPUT_OPS, LOGIT_OPS, Family, UnsupportedModelError, family_of
 from pp_offload.models.lora import unwrap_peft
 from pp_offload.models.masks import build_mask
 from pp_offload.models.router_aux import RouterAux, router_aux_of
+from pp_offload.models.verify import verify_split
 
 __all__ = ["CausalLMStage", "KeptLayers", "ModelSplit", "balanced_layers", "chain_stages", "split_model"]
 
@@ -374,8 +376,6 @@ def split_model(
         )
     router_aux = router_aux_of(model)  # None unless output_router_logits with a non-zero coefficient
     if verify:
-        from pp_offload.models.verify import verify_split
-
         verify_split(model, split_model)
     layers = getattr(getattr(model, family.base), family.layers)
     num_layers = len(layers)
@@ -402,20 +402,3 @@ def split_model(
     return ModelSplit(
         stages=stages, module=module, layers_per_stage=split, family=family, router_aux=router_aux
     )
-
-
-def chain_stages(
-    stages: Sequence[CausalLMStage], input_ids: torch.Tensor, **kwargs: Any
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run ``stages`` (all of a model's, in order) in one process: ``(logits, router aux loss or None)``.
-
-    What the pipeline does across ranks, for proofs and tests: each stage gets the previous one's whole
-    output (hidden states, and the router sums when the model has a router aux loss); ``kwargs``
-    (``position_ids``, ``attention_mask``) reach every stage, as ``schedule.step``'s keyword arguments do.
-    """
-    out: Any = (input_ids,)
-    for stage in stages:
-        out = stage(*(out if isinstance(out, tuple) else (out,)), **kwargs)
-    if isinstance(out, tuple):
-        return out[0], out[1]
-    return out, None

@@ -101,7 +101,7 @@ def chained_difference(model: torch.nn.Module, split_model: Any) -> tuple[float,
     layers = _layer_count(model)
     stages = min(4, layers)
     split = split_model(model, num_stages=stages, stage_indices=list(range(stages)), verify=False)
-    from pp_offload.models.split import chain_stages
+    from pp_offload.models.chain import chain_stages
 
     h, _ = chain_stages([split.stages[s] for s in range(stages)], ids, position_ids=positions)
     logits_rel = _rel(h.detach(), want.detach())

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_offload.models.chain import chain_stages
 from pp_offload.models.families import UnsupportedModelError
 from pp_offload.models.router_aux import router_aux_of
 from pp_offload.models.shrink import ShrinkError, shrunken_config
@@ -132,8 +133,6 @@ def _chained_logits(
     positions: torch.Tensor,
     num_stages: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None, set[str]]:
-    from pp_offload.models.split import chain_stages
-
     layers = _layer_count(small)
     stages = min(num_stages, layers)
     per = [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]

@@ -52,7 +52,7 @@ from pp_offload.fsutil import write_text_atomic
 from pp_offload.recipe.checkpoint import rng_state, set_rng_state
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.pipeline import Pipeline, build_pipeline
-from pp_offload.recipe.topology import Topology
+from pp_offload.recipe.topology import Topology, machine_preset
 
 __all__ = [
     "AUTO",
@@ -130,19 +130,6 @@ def recompute_modes(options: list[Any]) -> tuple[str, ...]:
 
     used = {mode for o in options for mode in (o.mode, o.rest)}
     return tuple(m for m in MODES if m in used and m != "none")
-
-
-def machine_preset(device: torch.device) -> str:
-    """The planner's preset for ``device``: the CUDA device's name when it names one (GH200 before H200 and
-    H100, which its name contains), else H100 (a CPU run rehearses a GPU one)."""
-    from pp_offload.plan.machines import MACHINES
-
-    if device.type == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(device).upper()
-        for preset in sorted(MACHINES, key=len, reverse=True):
-            if preset.upper() in name:
-                return preset
-    return "H100"
 
 
 def choose_within(config: RecipeConfig, measurement: Any, options: list[Any]) -> Any:

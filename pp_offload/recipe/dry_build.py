@@ -251,7 +251,8 @@ def _planner_pick(
     from pp_offload.parallel import checkpointing_mode
     from pp_offload.plan.auto import AutoError
     from pp_offload.plan.probe import predicted_measurement
-    from pp_offload.recipe.auto import choose_within, chosen_config, machine_preset, recompute_candidates
+    from pp_offload.recipe.auto import choose_within, chosen_config, recompute_candidates
+    from pp_offload.recipe.topology import machine_preset
 
     spec = config.pipeline
     device = device_for(config, topo)

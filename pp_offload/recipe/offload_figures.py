@@ -44,7 +44,7 @@ def planner_offload_inputs(
         from pp_offload.models.lora import unwrap_peft
         from pp_offload.parallel import checkpointing_mode
         from pp_offload.plan import offload_inputs
-        from pp_offload.recipe.auto import machine_preset
+        from pp_offload.recipe.topology import machine_preset
 
         machine = machine_preset(device)
         per_microbatch = config.train.global_batch_size // (spec.microbatches * dp)  # preflight: exact

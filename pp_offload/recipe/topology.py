@@ -13,7 +13,15 @@ import torch.distributed as dist
 
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 
-__all__ = ["Topology", "device_for", "init_process_group", "launcher_store", "restart_count", "topology"]
+__all__ = [
+    "Topology",
+    "device_for",
+    "init_process_group",
+    "launcher_store",
+    "machine_preset",
+    "restart_count",
+    "topology",
+]
 
 @dataclass(frozen=True)
 class Topology:
@@ -148,3 +156,16 @@ def launcher_store(timeout: datetime.timedelta) -> dist.Store | None:
 def restart_count() -> int:
     """How many times torchrun restarted this job's workers (0 outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def machine_preset(device: torch.device) -> str:
+    """The planner's preset for ``device``: the CUDA device's name when it names one (GH200 before H200 and
+    H100, which its name contains), else H100 (a CPU run rehearses a GPU one)."""
+    from pp_offload.plan.machines import MACHINES
+
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device).upper()
+        for preset in sorted(MACHINES, key=len, reverse=True):
+            if preset.upper() in name:
+                return preset
+    return "H100"
