@@ -111,9 +111,41 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+@pytest.mark.timeout(90)
+def test_torchrun_stopped_by_a_signal_says_so_in_one_line(tmp_path: Path) -> None:
+    """The launcher's torchrun (`pp_offload.recipe.agent`): SIGTERM stops its worker and the agent exits 143
+    with one line, not the ``SignalException`` traceback torchrun itself prints."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import pathlib, sys, time\npathlib.Path(sys.argv[1]).touch()\ntime.sleep(60)\n")
+    ready = tmp_path / "ready"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "pp_offload.recipe.agent", "--standalone", "--nproc-per-node", "1"]
+    proc = subprocess.Popen(
+        [*command, str(worker), str(ready)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert ready.exists(), "the worker never started"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in err and "SignalException" not in err
+    said = "torchrun: stopped by SIGTERM; its workers were given time to write their checkpoint (exit 143)"
+    assert said in err
+
+
 def test_node_options_reach_torchrun() -> None:
     one = torchrun_command(_args("--nproc-per-node", "2"), ["--config", "c.yaml"])
-    assert one[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"] + [
+    assert one[1:] == ["-m", "pp_offload.recipe.agent", "--standalone", "--nproc-per-node", "2", "-m"] + [
         "pp_offload.recipe",
         "--config",
         "c.yaml",

@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def torchrun_command(args: argparse.Namespace, recipe_argv: list[str]) -> list[str]:
     """torchrun's command line for ``args``: ``--standalone`` on one node without a rendezvous given,
     else the node and rendezvous options as given."""
-    command = [sys.executable, "-m", "torch.distributed.run"]
+    command = [sys.executable, "-m", "pp_offload.recipe.agent"]  # torchrun, its signal stop in one line
     given = {
         "--nnodes": args.nnodes if args.nnodes != 1 else None,
         "--node-rank": args.node_rank,
