@@ -509,7 +509,9 @@ def test_reshard_after_forward_pitfall() -> None:
     """Nested fully_shard with reshard_after_forward=True (FSDP2's default for inner units) under torch's
     retained-graph split backward: weight gradients of the decoder layers are missing or wrong, with no
     error (torch 2.13: ScheduleZBVZeroBubble; our V schedules stop with a KeyError in stage_backward_weight
-    instead). Deferred W (the default) is right with it: I is one ordinary backward, W needs no graph.
+    instead). Deferred W (the default) is right with it under ZBV here (I is one ordinary backward, W needs
+    no graph), but not under every schedule (docs/hot-path.md: V-Half stops at REDUCE_GRAD), so apply_fsdp
+    refuses it under any split backward.
     A full-backward schedule (Interleaved1F1B) is right with it, which is why apply_fsdp allows it there.
     Also here: a stage holding the replicated tied weight refuses a training forward before ``attach``."""
     results = run_on_ranks(_pitfall_worker, PP * DP, timeout=120)
