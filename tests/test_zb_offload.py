@@ -174,7 +174,8 @@ def test_offload_aware_order_keeps_losses_and_grads() -> None:
 
 
 def test_planner_labels_close_w_and_flags_it_when_it_moves_no_w() -> None:
-    from pp_offload.plan.planner import DEFAULT_OFFLOAD, Candidate, _mark_useless, _policies
+    from pp_offload.plan.planner import DEFAULT_OFFLOAD, Candidate, _policies
+    from pp_offload.plan.ranking import _mark_useless
 
     assert "budget:close-w" in DEFAULT_OFFLOAD
     labels = [label for label, _ in _policies(["budget", "budget:close-w", "budget:auto:0.1:close-w"])]

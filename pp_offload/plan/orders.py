@@ -200,7 +200,7 @@ def _fast_order(schedule: str, d: int, m: int, costs: Costs, cap: float, *, comp
     from pp_offload.order.blocks import v_block
     from pp_offload.order.compact import compact
     from pp_offload.order.rhythm import rhythm_v_order
-    from pp_offload.order.vshape import _candidates
+    from pp_offload.order.v_candidates import _candidates
     from pp_offload.sim import OrderDeadlockError, simulate
 
     if schedule == "ScheduleVMin":

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pp_offload.plan.planner import Candidate, PlanResult
+    from pp_offload.plan.result import Candidate, PlanResult
 
 __all__ = [
     "NEAR_TIE",
