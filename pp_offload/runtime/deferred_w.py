@@ -275,10 +275,11 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def queued_storages() -> dict[tuple[Any, int], int]:
-    """(device, data pointer) -> bytes of each distinct storage the queue holds."""
+def queued_storages(entries: list[Any] | None = None) -> dict[tuple[Any, int], int]:
+    """(device, data pointer) -> bytes of each distinct storage the queue (or ``entries``, a runner's
+    share of it) holds."""
     seen: dict[tuple[Any, int], int] = {}
-    for _, x, dy, _ in _QUEUE:
+    for _, x, dy, _ in _QUEUE if entries is None else entries:
         for t in (x, dy):
             storage = t.untyped_storage()
             seen[(t.device, storage.data_ptr())] = storage.nbytes()
@@ -302,8 +303,12 @@ def collecting(mode: str = "collect") -> Iterator[None]:
         _MODE.pop()
 
 
-def _collecting_backward(method: Any) -> Any:
+def _collecting_backward(stage: Any, method: Any) -> Any:
     def backward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
+        builder = getattr(stage, "dw_builder", None)
+        if isinstance(builder, _Builder) and builder.measure:
+            bwd_kwargs = args[1] if len(args) > 1 else kwargs.get("bwd_kwargs", {})
+            builder.note_output_grads(bwd_kwargs.get("output_grads"))
         with collecting():
             return method(*args, **kwargs)
 
@@ -313,14 +318,32 @@ def _collecting_backward(method: Any) -> Any:
 
 class _Builder:
     """The stage's ``dw_builder``: called right after the stage's I (a full backward), it takes what that
-    backward queued and returns the runner torch calls at the microbatch's W."""
+    backward queued and returns the runner torch calls at the microbatch's W.
+
+    ``measure`` (off: it costs a pass over the queue per microbatch; the planner's probe turns it on):
+    ``queued`` then records the most bytes one microbatch's queue held, each distinct storage once, the
+    stage output's gradient left out (it is torch's receive buffer, allocated for the whole run): what
+    `pp_offload.plan.memory.queued_bytes` predicts."""
 
     def __init__(self, stage: Any) -> None:
         self.stage = stage
+        self.measure = False
+        self.queued = 0
+        self._output_grads: set[tuple[Any, int]] = set()
+
+    def note_output_grads(self, grads: Any) -> None:
+        tensors = grads if isinstance(grads, (list, tuple)) else [grads]
+        self._output_grads = {
+            (t.device, t.untyped_storage().data_ptr()) for t in tensors if isinstance(t, torch.Tensor)
+        }
 
     def __call__(self) -> Any:
         entries = _QUEUE[:]
         _QUEUE.clear()
+        if self.measure:
+            held = queued_storages(entries)
+            nbytes = sum(b for key, b in held.items() if key not in self._output_grads)
+            self.queued = max(self.queued, nbytes)
         submod = self.stage.submod
 
         def run_w() -> None:
@@ -383,7 +406,7 @@ def defer_weight_grads(stages: Iterable[Any], enabled: bool = True) -> list[Any]
         if not isinstance(getattr(stage, "dw_builder", None), _Builder):
             stage.dw_builder = _Builder(stage)
         if not getattr(stage.backward_maybe_with_nosync, "_pp_offload_collecting", False):
-            stage.backward_maybe_with_nosync = _collecting_backward(stage.backward_maybe_with_nosync)
+            stage.backward_maybe_with_nosync = _collecting_backward(stage, stage.backward_maybe_with_nosync)
         compat.wrap_shape_inference_backward(stage, functools.partial(collecting, "discard"))
         deferring.append(stage)
     return deferring
