@@ -143,17 +143,8 @@ def _input_grad_and_queue(
 
 
 @_input_grad_and_queue.register_fake
-def _(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    transposed: bool,
-    compiled: bool,
-    share: int = -1,
-    first: bool = True,
-    after: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return torch.empty_like(x)
+def _(dy: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty_like(x)  # the input gradient has the input's shape
 
 
 # Compiled backwards: the copy of each shared layer input, by share slot, made by the slot's first user in
