@@ -7,7 +7,9 @@ splits of the same stage (a Llama of ``--layers`` decoder layers, hidden 256, se
 run interleaved, ``--rounds`` times each, and the fastest of each is kept: what the split itself costs,
 without the pipeline around it.
 
-Per recompute mode (none, full, selective) and split:
+Per recompute mode (none, full, selective) and split (``--compiled``: also deferred W with each decoder
+layer compiled in place, `pp_offload.runtime.compile.compile_layers`, inductor; none and full only, as
+``train.compile`` refuses selective recompute):
 - ``F``, ``I``, ``W`` ms: the forward, torch's ``stage_backward_input`` / deferred W's one backward, and
   torch's ``stage_backward_weight`` / the queued GEMMs (`pp_offload.runtime.deferred_w`);
 - ``held MiB``: bytes alive between I and W, by saved-tensor accounting: every distinct storage autograd
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 import types
@@ -37,9 +40,10 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("none", "full", "selective")
 SPLITS = ("torch split", "deferred W")
+COMPILED = "deferred W compiled"
 
 
-def _stage(layers: int, recompute: str, deferred: bool) -> Any:
+def _stage(layers: int, recompute: str, deferred: bool, compiled: bool = False) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaModel
 
@@ -61,6 +65,10 @@ def _stage(layers: int, recompute: str, deferred: bool) -> Any:
         activation_checkpointing({0: model}, layers=lambda _: list(model.layers), mode=recompute)
     if deferred:
         defer_weight_grads([types.SimpleNamespace(submod=model, backward_maybe_with_nosync=lambda: None)])
+    if compiled:
+        from pp_offload.runtime.compile import compile_layers
+
+        compile_layers([model])
     return model
 
 
@@ -108,7 +116,7 @@ def _not_deferred(model: Any) -> list[Any]:
     return [p for p in model.parameters() if p.requires_grad and id(p) not in queued]
 
 
-def run(layers: int, rounds: int) -> list[dict[str, Any]]:
+def run(layers: int, rounds: int, compiled: bool = False) -> list[dict[str, Any]]:
     import torch
 
     from pp_offload.runtime import compat
@@ -119,17 +127,18 @@ def run(layers: int, rounds: int) -> list[dict[str, Any]]:
     embeds = torch.randn(1, 256, 256, generator=torch.Generator().manual_seed(1))
     rows = []
     for mode in MODES:
-        models = {split: _stage(layers, mode, split == "deferred W") for split in SPLITS}
-        best: dict[str, dict[str, float]] = {split: {} for split in SPLITS}
+        splits = SPLITS + ((COMPILED,) if compiled and mode != "selective" else ())
+        models = {split: _stage(layers, mode, split != "torch split", split == COMPILED) for split in splits}
+        best: dict[str, dict[str, float]] = {split: {} for split in splits}
         for round_ in range(rounds + 1):  # round 0 warms up; the splits alternate, so load hits both alike
-            for split in SPLITS:
-                got = _one(models[split], embeds, split == "deferred W")
+            for split in splits:
+                got = _one(models[split], embeds, split != "torch split")
                 if round_:
                     for key, value in got.items():
                         best[split][key] = min(best[split].get(key, float("inf")), value)
-        for split in SPLITS:
+        for split in splits:
             runs = count_layer_runs([models[split]])
-            _one(models[split], embeds, split == "deferred W")
+            _one(models[split], embeds, split != "torch split")
             b = best[split]
             rows.append(
                 {
@@ -147,12 +156,12 @@ def run(layers: int, rounds: int) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     base = {r["split"]: r["step_ms"] for r in rows if r["recompute"] == "none"}
     lines = [
-        f"{'recompute':10} {'split':12} {'F ms':>7} {'I ms':>7} {'W ms':>7} {'F+I+W':>7} {'x none':>6} "
+        f"{'recompute':10} {'split':19} {'F ms':>7} {'I ms':>7} {'W ms':>7} {'F+I+W':>7} {'x none':>6} "
         f"{'held MiB':>8} {'runs/mb':>7}"
     ]
     for r in rows:
         lines.append(
-            f"{r['recompute']:10} {r['split']:12} {r['F_ms']:7.1f} {r['I_ms']:7.1f} {r['W_ms']:7.1f} "
+            f"{r['recompute']:10} {r['split']:19} {r['F_ms']:7.1f} {r['I_ms']:7.1f} {r['W_ms']:7.1f} "
             f"{r['step_ms']:7.1f} {r['step_ms'] / base[r['split']]:6.2f} {r['held_mib']:8.2f} "
             f"{r['runs_per_microbatch']:7d}"
         )
@@ -164,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--compiled", action="store_true", help="add compiled deferred-W rows (inductor)")
+    parser.add_argument("--name", default="deferred_w", help="results file name (without .json)")
     args = parser.parse_args(argv)
-    rows = run(args.layers, args.rounds)
+    rows = run(args.layers, args.rounds, args.compiled)
     print(table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -176,9 +187,12 @@ def main(argv: list[str] | None = None) -> None:
         "machine": platform.machine(),
         "layers": args.layers,
         "rounds": args.rounds,
+        "compiled": args.compiled,
+        "load_average": os.getloadavg(),
     }
-    (args.out / "deferred_w.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.out / 'deferred_w.json'}")
+    path = args.out / f"{args.name}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

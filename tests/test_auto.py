@@ -295,10 +295,11 @@ def _planner_measurement(d: int, m: int, seq: int, *, units: bool = False) -> Me
 
 
 def test_auto_picks_a_two_mode_recompute_plan_where_it_is_fastest_within_budget() -> None:
-    """Llama-3-8B, seq 4096, pp 4, m 8 on the H100 as the planner predicts it, V-Half without offload, half
-    of 1F1B's activation memory: selective recompute of three of each stage's four layers with the MLP-only
-    recompute on the fourth fits and is faster than every one-mode plan that fits (selective on every
-    layer: ``selective:0.75`` alone keeps too much), by more than auto's 1% tie."""
+    """Llama-3-8B, seq 4096, pp 4, m 8 on the H100 as the planner predicts it, V-Half without offload, 60% of
+    1F1B's activation memory (half before the deferred-W queue was counted, which V-Half holds from each
+    chunk's I to its W while 1F1B's B holds none): selective recompute of three of each stage's four layers
+    with the MLP-only recompute on the fourth fits and is faster than every one-mode plan that fits (selective
+    on every layer: ``selective:0.75`` alone keeps too much), by more than auto's 1% tie."""
     from pp_offload.plan.auto import DEFAULT_RECOMPUTE, recompute_options
     from pp_offload.plan.shapes import SHAPES
 
@@ -306,7 +307,7 @@ def test_auto_picks_a_two_mode_recompute_plan_where_it_is_fastest_within_budget(
     options = recompute_options(SHAPES["llama-3-8b"], seq_len=4096)
     assert [o.label for o in options] == list(DEFAULT_RECOMPUTE)
     assert {"selective:0.5,mlp", "selective:0.75,mlp"} <= set(DEFAULT_RECOMPUTE)
-    kw = {"num_microbatches": 8, "memory_limit": 0.5, "schedules": ["ScheduleVHalf"], "offload": ["none"]}
+    kw = {"num_microbatches": 8, "memory_limit": 0.6, "schedules": ["ScheduleVHalf"], "offload": ["none"]}
     decision = choose(measured, **kw, recompute=options)
     assert decision.recompute == "selective:0.75,mlp"
     assert all(p <= b for p, b in zip(decision.peak_bytes, decision.budget_bytes, strict=True))

@@ -194,19 +194,22 @@ def test_planner_picks_recompute_only_where_it_wins_and_never_a_useless_candidat
         every.candidate("ScheduleVHalf", "none", "selective").step_time
         < every.candidate("ScheduleVHalf", "none", "full").step_time
     )
-    # a memory limit between full and selective recompute's peaks: only full fits
-    sel = every.candidate("ScheduleVHalf", "none", "selective")
-    full = every.candidate("ScheduleVHalf", "none", "full")
-    limit = (full.peak_bytes + 0.5 * (sel.peak_bytes - full.peak_bytes)) / (1 << 30)
+    # a memory limit just above the lowest peak: only recompute makes a schedule fit, and the lowest-peak
+    # plans are those picked. (Under deferred W the queue of every linear's input and output gradient lives
+    # from I to W whatever the plan, so full recompute no longer has the lowest peak here: selective's,
+    # which runs faster, is as low; `pp_offload.plan.memory.queued_bytes`.)
+    peaks = sorted({c.peak_bytes for c in every.candidates if c.evaluated})
+    limit = (peaks[0] + 0.5 * (peaks[1] - peaks[0])) / (1 << 30)
+    lowest = {c.label for c in every.candidates if c.evaluated and c.peak_bytes == peaks[0]}
     tight = _plan(gpu_memory_gib=limit, evaluate_dominated=True)
     best = tight.recommended
-    assert best.fits and best.recompute == "full" and tight.recompute == "full"
-    assert "full recompute" in tight.table() and "full recompute" in best.label
+    assert best.fits and best.recompute != "none" and best.label in lowest
+    assert tight.recompute == best.recompute and f"{best.recompute} recompute" in tight.table()
     for c in tight.candidates:
         assert c.useless is None or c is not best
         if c.useless and c.recompute != "none" and c.offload == "none":
             assert c.activation_peak >= tight.candidate(c.schedule).activation_peak
-    assert tight.to_dict()["recompute"] == "full"
+    assert tight.to_dict()["recompute"] == best.recompute
 
 
 def test_choose_considers_recompute_options():

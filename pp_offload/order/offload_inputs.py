@@ -43,7 +43,11 @@ class StageBytes:
         size its copy time is taken from. ``None``: every layer carries ``layer``.
     held_after_input: what a ``+once`` recompute plan recomputes in the input-gradient pass and keeps for
         the weight pass (`pp_offload.runtime.recompute_once`), on the device from the start of I to the end
-        of W; 0 otherwise (a full backward B recomputes and frees within the pass).
+        of W under torch's retained-graph split; 0 otherwise (a full backward B recomputes and frees within
+        the pass; deferred W's I releases the graph).
+    queued: deferred weight gradients (`pp_offload.runtime.deferred_w`, `pp_offload.plan.memory.
+        queued_bytes`): the W queue's bytes, held from the end of I to the end of W, while ``saved`` and
+        ``resident`` leave when I ends. ``None``: torch's retained-graph split, ``saved`` held until W ends.
     """
 
     saved: int
@@ -51,10 +55,13 @@ class StageBytes:
     layer: int = 0
     per_layer: tuple[int, ...] | None = None
     held_after_input: int = 0
+    queued: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("saved", "resident", "layer", "held_after_input"):
+        for name in ("saved", "resident", "layer", "held_after_input", "queued"):
             value = getattr(self, name)
+            if name == "queued" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"StageBytes.{name} must be an int >= 0 (bytes), got {value!r}")
         if self.per_layer is not None:
@@ -186,6 +193,8 @@ class OffloadInputs:
             else [
                 {"saved": b.saved, "resident": b.resident, "layer": b.layer}
                 | ({} if b.per_layer is None else {"per_layer": list(b.per_layer)})
+                | ({} if b.queued is None else {"queued": b.queued})
+                | ({"held_after_input": b.held_after_input} if b.held_after_input else {})
                 for b in self.stage_bytes
             ],
             "granularity": self.granularity,
@@ -215,11 +224,12 @@ def activation_peaks(
     """Per rank (sorted), the peak of the device-resident activation bytes over ``sim``'s timeline.
 
     A chunk holds its stage's ``total`` from the start of its F; ``resident`` leaves when its I (or B) ends,
-    ``saved`` when its W (or B) ends; ``held_after_input`` (a ``+once`` recompute plan) is held from the
-    start of its I to the end of its W. An offloaded whole chunk's ``saved`` is off the device from the end
-    of its OFFLOAD to the start of its RELOAD; a chunk in ``layered`` (budget offload) moves per layer
-    instead: each moved layer's bytes (`StageBytes.moved_bytes`) from the end of its own copy out to the
-    start of its own copy back (``sim.layer_transfers``).
+    ``saved`` when its W (or B) ends; ``held_after_input`` (a ``+once`` recompute plan) is held from the start
+    of its I to the end of its W. Under deferred W (``queued`` set) ``saved`` leaves with ``resident`` when I
+    ends and ``queued`` is held from there to the end of W instead. An offloaded whole chunk's ``saved`` is
+    off the device from the end of its OFFLOAD to the start of its RELOAD; a chunk in ``layered`` (budget
+    offload) moves per layer instead: each moved layer's bytes (`StageBytes.moved_bytes`) from the end of its
+    own copy out to the start of its own copy back (``sim.layer_transfers``).
     """
     peaks = []
     for rank in sorted(sim.timeline):
@@ -266,10 +276,15 @@ def _events(
         b = stage_bytes[stage]
         if kind == F:
             events.append((start, b.total, False))
+        elif kind == I and b.queued is not None:  # deferred W: I frees the graph, the queue waits for W
+            events.append((finish, -b.total, False))
+            events.append((finish, b.queued, False))
         elif kind == I:
             events.append((finish, -b.resident, False))
             if b.held_after_input:
                 events.append((start, b.held_after_input, False))
+        elif kind == W and b.queued is not None:
+            events.append((finish, -b.queued, False))
         elif kind == W:
             events.append((finish, -b.saved - b.held_after_input, False))
         elif kind == B:

@@ -68,7 +68,9 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
             layers=0,
             first=s == 0,
             last=s == n - 1,
-            activation=ChunkActivation(saved=st.saved_bytes, held_after_input=int(st.held_after_input)),
+            activation=ChunkActivation(
+                saved=st.saved_bytes, held_after_input=int(st.held_after_input), queued=st.queued_bytes
+            ),
             times=PassTimes(st.F * _MS, st.I * _MS, st.W * _MS, st.recompute_shared * _MS),
             params=0,
         )

@@ -19,12 +19,13 @@ The steps, for each schedule:
    when the schedule's ``costs`` carry these ``stages``), and `pp_offload.sim.simulate`
    replays the result with those same costs, so a budget's slowdown limit holds for the predicted step;
 4. memory: the simulator's timeline is replayed once more with each stage's real bytes: a chunk's saved
-   tensors from the start of its F to the end of its W (B), its output and the loss's tensors until its
-   input-gradient pass ends, offloaded tensors off the device from the end of their OFFLOAD to the start
-   of their RELOAD (budget offload: each moved layer's bytes from the end of its own copy out to the
-   start of its own copy back, `pp_offload.sim.LayeredChunk`; one layer's copy takes its bytes over the
-   host bandwidth). The peak of that curve is the rank's activation memory (the chunk-unit peak of the same
-   replay is the simulator's own);
+   tensors from the start of its F to the end of its I (B), its output and the loss's tensors until its input-
+   gradient pass ends, then its deferred-W queue (`pp_offload.plan.memory.queued_bytes`) until its W ends
+   (under torch's retained-graph split, ``deferred_w=False``: the saved tensors until W), offloaded tensors
+   off the device from the end of their OFFLOAD to the start of their RELOAD (budget offload: each moved
+   layer's bytes from the end of its own copy out to the start of its own copy back,
+   `pp_offload.sim.LayeredChunk`; one layer's copy takes its bytes over the host bandwidth). The peak of that
+   curve is the rank's activation memory (the chunk-unit peak of the same replay is the simulator's own);
 5. step time at the ``m`` asked for (`simulation_sizes`): the orders are built for ``m`` microbatches
    whenever that fits the time budget (`EXACT_BUDGET_S` per order, priced per compute action by
    `SECONDS_PER_ACTION`, measured); the step time, bubble and peaks are then those of the exact replay.
@@ -192,6 +193,7 @@ class Setup:
                     layer=int(self.stage_layer_bytes(s)),
                     per_layer=tuple(self.layers_bytes[s]) if self.layers_bytes else None,
                     held_after_input=int(st.activation.held_after_input),
+                    queued=st.activation.queued,
                 )
                 for s, st in enumerate(self.stages)
             ),
@@ -222,6 +224,7 @@ class Setup:
                     layer=max(flat, default=0),
                     per_layer=tuple(flat),
                     held_after_input=int(st.activation.held_after_input),
+                    queued=st.activation.queued,
                 )
             )
         return OffloadInputs(
@@ -264,11 +267,14 @@ def setup_schedule(
     reserve: int,
     recompute: str = "none",
     layers_per_stage: list[int] | None = None,
+    deferred_w: bool = True,
 ) -> Setup:
     """Stages, costs and static memory of ``schedule`` (module doc, 1-2); ``recompute``: activation
     checkpointing of the decoder layers (`pp_offload.plan.memory.RECOMPUTE`), which shrinks what the stages
     save (and what budget offload moves per layer) and lengthens their I and W passes.
-    ``layers_per_stage``: the split a pipeline was built with, instead of the planner's balanced one."""
+    ``layers_per_stage``: the split a pipeline was built with, instead of the planner's balanced one.
+    ``deferred_w``: split-backward stages queue their weight gradients' inputs from I to W (the runtime's
+    default, `pp_offload.plan.memory.queued_bytes`); ``False`` models torch's retained-graph split."""
     lay = layout(schedule, pp, virtual_stages=virtual_stages)
     n = lay.num_stages
     if layers_per_stage is None:
@@ -285,12 +291,15 @@ def setup_schedule(
     for s, count in enumerate(layers):
         first, last = s == 0, s == n - 1
         kw: dict[str, Any] = {"microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
+        activation = chunk_activation(
+            spec, precision, layers=count, first=first, last=last, deferred_w=deferred_w, **kw
+        )
         stages.append(
             StageProfile(
                 layers=count,
                 first=first,
                 last=last,
-                activation=chunk_activation(spec, precision, layers=count, first=first, last=last, **kw),
+                activation=activation,
                 times=stage_times(spec, machine, precision, layers=count, first=first, last=last, **kw),
                 params=stage_params(spec, layers=count, first=first, last=last),
             )

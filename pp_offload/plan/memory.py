@@ -40,6 +40,22 @@ Activation checkpointing (``recompute``, `RECOMPUTE`), per decoder layer:
 - A mode on a share of a stage's layers (``"selective:0.75"``, `pp_offload.recompute_plan`): the first
   ``ceil(share x layers)`` layers in that mode, the others as without recompute (`layers_activation_bytes`).
 Embedding stage: the token ids (int64) and the embedding output (saved by the first norm).
+Deferred weight gradients (``queued``, `queued_bytes`; the default of every split-backward schedule,
+`pp_offload.runtime.deferred_w`): the input-gradient pass I is one ordinary backward that frees the saved
+tensors, and what lives from I to W is the queue: per trainable linear-like layer its input X and its output
+gradient dY, each distinct storage once. Llama layer: X a*(2h + q + i) (q/k/v share the first norm's output,
+gate/up the second's; o_proj reads the attention output, down_proj the gated product), dY a*(q + 2k + 2h +
+2i) (q, k, v; o_proj's is the gradient of the residual sum after attention; gate, up; down_proj's is the
+layer output's gradient). GPT-2: X a*(2h + q + i), dY a*((q + 2k) + 2h + i). The last layer of a stage that
+is not the last: its down_proj / c_proj dY *is* the stage output's gradient, torch's receive buffer (counted
+by `recv_buffer_bytes`), so a*h less, unless a residual dropout copies it first. The LM head: X a*h (the final
+norm's output), dY a*vocab (the logits' gradient, in the model's dtype). LoRA (``spec.lora_rank`` r): only
+the adapters queue, base weights and the head are frozen: A reads what the base layer reads (shared as
+above, LoRA dropout 0 assumed) and its dY is r wide, B reads A's output (r) and its dY is the projection's
+output width (a scaled copy, so never the receive buffer); on the first stage the first layer's q/k/v A
+adapters read the frozen embedding's normed output, which wants no gradient: they compute their weight
+gradient in I (a*(h + 3r) less; GPT-2's one c_attn A: a*(h + r)). Without deferred W (torch's retained-graph
+split, ``deferred_w=False``) nothing is queued and the saved tensors live until W instead.
 Head stage: the final norm (as above), then the logits are not saved by the head; the loss (outside the
 stage's forward, so never offloaded) keeps fp32 log-probabilities, 4 x vocab per token.
 
@@ -83,6 +99,7 @@ __all__ = [
     "layer_params",
     "layer_recompute_traffic",
     "precision",
+    "queued_bytes",
     "recv_buffer_bytes",
     "stage_params",
     "state_bytes",
@@ -158,14 +175,19 @@ class ChunkActivation:
     output: the stage's output, held by torch from the forward to the input-gradient pass.
     loss: what the loss saves (last stage; computed outside the stage's forward, so not offloaded).
     held_after_input: what a ``+once`` recompute plan recomputes in I and keeps on the device until W (the
-        recomputed layers' bytes beyond what they save in the forward); 0 on the first stage, where torch
-        runs the whole backward at W, and without ``+once``.
+        recomputed layers' bytes beyond what they save in the forward) under torch's retained-graph split;
+        0 on the first stage, where torch runs the whole backward at W, and without ``+once``. Deferred W
+        keeps none of it (its I releases the graph).
+    queued: deferred weight gradients (`queued_bytes`): the bytes the W queue holds from the end of the
+        chunk's I to the end of its W, when ``saved`` and ``resident`` are already freed. ``None``: torch's
+        retained-graph split, where ``saved`` lives until W ends and nothing is queued.
     """
 
     saved: int
     output: int = 0
     loss: int = 0
     held_after_input: int = 0
+    queued: int | None = None
 
     @property
     def total(self) -> int:
@@ -387,6 +409,41 @@ def layer_recompute_traffic(
     return n * per_token
 
 
+def queued_bytes(
+    spec: ModelSpec,
+    dtype: str | Precision,
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    microbatch_size: int,
+    seq_len: int,
+) -> int:
+    """Bytes the deferred-W queue of one stage holds for one microbatch from its I to its W (module doc,
+    "Deferred weight gradients"): every trainable linear-like layer's input and output gradient, each
+    distinct storage once, the stage output's gradient (torch's receive buffer) left out. The same under
+    every recompute plan: a recomputed layer queues tensors of the same sizes."""
+    a, n = precision(dtype).act_bytes, microbatch_size * seq_len
+    h, i, q, kv, r = spec.hidden_size, spec.intermediate_size, spec.q_size, spec.kv_size, spec.lora_rank
+    gpt2 = spec.family == "gpt2"
+    inputs = 2 * h + q + i  # what the projections read, shared inputs once
+    outputs = (q + 2 * kv) + 2 * h + (i if gpt2 else 2 * i)  # the projections' output widths
+    if r:  # adapters only: A reads the base layer's input, B A's output; dY of A is r wide, of B the output
+        projections = 4 if gpt2 else 7
+        total = a * n * layers * (inputs + outputs + 2 * projections * r)
+        if first and layers:
+            # the first layer's q/k/v (c_attn) A adapters read the frozen embedding's normed output, which
+            # wants no gradient: they compute their weight gradient in I and queue nothing
+            total -= a * n * (h + (1 if gpt2 else 3) * r)
+        return total
+    total = a * n * layers * (inputs + outputs)
+    if layers and not last and not (gpt2 and spec.resid_dropout > 0):
+        total -= a * n * h  # the last layer's output gradient is the stage's receive buffer
+    if last:
+        total += a * n * (h + spec.vocab_size)  # LM head: the final norm's output and the logits' gradient
+    return total
+
+
 def chunk_activation(
     spec: ModelSpec,
     dtype: str | Precision,
@@ -397,11 +454,18 @@ def chunk_activation(
     microbatch_size: int,
     seq_len: int,
     recompute: str = "none",
+    deferred_w: bool = True,
 ) -> ChunkActivation:
     """Activation memory of one stage (``layers`` decoder layers, plus the embedding when ``first`` and the
     final norm, LM head and loss when ``last``) for one microbatch. ``recompute``: activation checkpointing
-    of the decoder layers, a mode or a plan with a share (module doc)."""
+    of the decoder layers, a mode or a plan with a share (module doc). ``deferred_w``: the stage's split
+    backward queues its weight gradients' inputs for W (`queued_bytes`, the runtime's default);
+    ``False``: torch's retained-graph split (``queued`` None)."""
     p = precision(dtype)
+    queued = None
+    if deferred_w:
+        kw = {"microbatch_size": microbatch_size, "seq_len": seq_len}
+        queued = queued_bytes(spec, p, layers=layers, first=first, last=last, **kw)
     a, n, h, v = p.act_bytes, microbatch_size * seq_len, spec.hidden_size, spec.vocab_size
     saved = 0
     if first:
@@ -423,14 +487,14 @@ def chunk_activation(
             # see)
             saved += 2 * _big(n * spec.head_dim, a)
     if not last:
-        return ChunkActivation(saved=saved, output=a * h * n, held_after_input=held)
+        return ChunkActivation(saved=saved, output=a * h * n, held_after_input=held, queued=queued)
     own_input = first or layers > 0  # else the final norm's input is the stage's input
     if spec.family == "gpt2":
         saved += (a * h * n if own_input else 0) + 2 * _big(n, 4) + a * h * n  # ln_f input, stats, output
     else:
         saved += (4 * h * n if (own_input or a != 4) else 0) + _big(n, 4) + 2 * a * h * n
     loss = 4 * v * n + _big(n, 8)  # fp32 log-probabilities, target ids
-    return ChunkActivation(saved=saved, output=a * v * n, loss=loss, held_after_input=held)
+    return ChunkActivation(saved=saved, output=a * v * n, loss=loss, held_after_input=held, queued=queued)
 
 
 def transient_bytes(

@@ -79,6 +79,10 @@ class StageMeasurement:
     held_after_input: int = 0
     """Bytes a ``+once`` recompute plan holds on the device from the start of I to the end of W (set by
     `pp_offload.plan.auto.RecomputeOption.apply`; a probe measures without recompute)."""
+    queued_bytes: int | None = None
+    """Bytes one microbatch's deferred-W queue holds from its I to its W (`pp_offload.runtime.deferred_w`,
+    measured by the stage's ``dw_builder``; the same under any recompute plan); None: not measured, or
+    the stage keeps torch's retained-graph split (its saved bytes then live until W)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
@@ -107,6 +111,9 @@ class StageMeasurement:
             or self.saved_bytes < 0
         ):
             raise ValueError(f"StageMeasurement.saved_bytes must be an int >= 0, got {self.saved_bytes!r}")
+        queued = self.queued_bytes
+        if queued is not None and (isinstance(queued, bool) or not isinstance(queued, int) or queued < 0):
+            raise ValueError(f"StageMeasurement.queued_bytes must be an int >= 0 or None, got {queued!r}")
 
 
 @dataclass(frozen=True)
@@ -347,6 +354,7 @@ def measure_step(
         held, release = layer_inputs(calibrated)
         undo.append(release)
     runtime.offloaded |= extra  # capture every chunk (not offloaded: no OFFLOAD action for these)
+    builders = _measure_queues(stages)
     timer = ActionTimer(schedule, sync_cuda=sync_cuda)
     try:
         for _ in range(steps):
@@ -357,6 +365,8 @@ def measure_step(
     finally:
         timer.detach()
         runtime.offloaded -= extra
+        for builder in builders.values():
+            builder.measure = False
         for fn in reversed(undo):
             fn()
     recompute: dict[str, Any] | None = None
@@ -379,6 +389,7 @@ def measure_step(
         "comm": None,
         "layers": {int(st.stage_index): _layer_count(st) for st in stages},
         "units": {s: [found[i] for i in sorted(found)] for s, found in units.items()},
+        "queued": {s: int(builder.queued) for s, builder in builders.items()},
     }
     rank = dist.get_rank(group) if distributed else 0
     if comm is None and distributed:
@@ -440,6 +451,7 @@ def predicted_measurement(
             I=st.times.I,
             W=st.times.W,
             saved_bytes=int(st.activation.saved),
+            queued_bytes=st.activation.queued,
             offload=setup.layer_copy * st.layers,
             reload=setup.layer_copy * st.layers,
             layers=st.layers,
@@ -525,6 +537,20 @@ def _calibration_layer(stages: Sequence[Any]) -> Any:
         if layers:
             return layers[0]
     return None
+
+
+def _measure_queues(stages: Sequence[Any]) -> dict[int, Any]:
+    """Turn on the queue measurement of every stage that defers its weight gradients
+    (`pp_offload.runtime.deferred_w`); stage index -> its ``dw_builder``."""
+    from pp_offload.runtime.deferred_w import all_deferring
+
+    builders = {}
+    for stage in stages:
+        if all_deferring([stage]):
+            builder = stage.dw_builder
+            builder.measure, builder.queued = True, 0
+            builders[int(stage.stage_index)] = builder
+    return builders
 
 
 def _layer_count(stage: Any) -> int:
@@ -627,6 +653,11 @@ def _summarize(
         for s, count in part.get("layers", {}).items():
             if int(s) < n:
                 layers[int(s)] = int(count)
+    queued: list[int | None] = [None] * n
+    for part in parts:
+        for s, b in part.get("queued", {}).items():
+            if int(s) < n:
+                queued[int(s)] = max(queued[int(s)] or 0, int(b))
     per_layer: list[list[Any]] = [[] for _ in range(n)]
     for part in parts:
         for s, found in part.get("units", {}).items():
@@ -679,6 +710,7 @@ def _summarize(
                 I=i,
                 W=w,
                 saved_bytes=saved[s],
+                queued_bytes=queued[s],
                 offload=off,
                 reload=rel,
                 copies_estimated=estimated,

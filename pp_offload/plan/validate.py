@@ -6,7 +6,9 @@ on CPU under ``torch.autograd.graph.saved_tensors_hooks`` and every saved tensor
 `pp_offload.runtime.store.ActivationStore` decides what to keep: parameters (and views of them), storages
 of at most 1024 elements and the stage's own inputs are left out, and a storage is counted once however
 many views of it are saved. ``tests/test_plan.py`` asserts the estimate is within 10% of the measurement;
-``bench/bench_plan.py`` prints the table.
+``bench/bench_plan.py`` prints the table. `measure_queue` does the same for the deferred-W queue
+(`pp_offload.plan.memory.queued_bytes`): a real input-gradient pass of the stage through
+`pp_offload.runtime.deferred_w`'s layers, the queue's bytes counted after it.
 
 Stages are run the way a pipeline stage of these models runs (and the way the planner assumes): no
 attention mask (causal sdpa), rotary embeddings computed on the stage, the loss computed after the stage's
@@ -19,10 +21,24 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pp_offload.plan.memory import SMALL_NUMEL, chunk_activation, layer_activation_bytes, precision
+from pp_offload.plan.memory import (
+    SMALL_NUMEL,
+    chunk_activation,
+    layer_activation_bytes,
+    precision,
+    queued_bytes,
+)
 from pp_offload.plan.model import model_spec
 
-__all__ = ["Measurement", "TINY_CONFIGS", "measure_layer", "measure_stage", "saved_bytes", "validation_rows"]
+__all__ = [
+    "Measurement",
+    "TINY_CONFIGS",
+    "measure_layer",
+    "measure_queue",
+    "measure_stage",
+    "saved_bytes",
+    "validation_rows",
+]
 
 
 def saved_bytes(fn: Callable[[], Any], *, keep: Iterable[Any] = ()) -> tuple[int, Any]:
@@ -211,6 +227,64 @@ def measure_stage(
         loss_bytes, _ = saved_bytes(lambda: model.loss_function(output, labels, vocab_size=vocab))
         rows.append(Measurement(name, dtype, "loss", 0, microbatch_size, seq_len, loss_bytes, estimate.loss))
     return rows
+
+
+def measure_queue(
+    name: str,
+    config: dict[str, Any],
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    microbatch_size: int,
+    seq_len: int,
+    dtype: str = "fp32",
+    lora_rank: int = 0,
+) -> Measurement:
+    """One stage's deferred-W queue after its input-gradient pass (``what`` names the stage, ``measured``
+    the queue's distinct storages but the stage output's gradient, torch's receive buffer), against
+    `pp_offload.plan.memory.queued_bytes`. The stage's trainable linear-like layers defer their weight
+    gradients (`pp_offload.runtime.deferred_w.defer_weight_grads`), so the backward is the one I runs;
+    ``lora_rank``: peft adapters of that rank on every projection (`pp_offload.models.lora.apply_lora`),
+    the base frozen."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from pp_offload.runtime import deferred_w
+
+    hf_config, model = _build(config, dtype)
+    spec = dataclasses.replace(model_spec(hf_config), lora_rank=lora_rank)
+    if lora_rank:
+        from pp_offload.models.lora import apply_lora, unwrap_peft
+
+        model = unwrap_peft(apply_lora(model, r=lora_rank))
+    stage = types.SimpleNamespace(submod=model, backward_maybe_with_nosync=lambda *a, **k: None)
+    deferred_w.defer_weight_grads([stage])
+    ids = torch.randint(0, spec.vocab_size, (microbatch_size, seq_len))
+    act_dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    hidden = torch.randn(microbatch_size, seq_len, spec.hidden_size, dtype=act_dtype, requires_grad=True)
+    output = _stage_fn(model, layers=layers, first=first, last=last, ids=ids, hidden=hidden)()
+    receive = set()
+    with deferred_w.collecting():
+        if last:
+            labels = torch.randint(0, spec.vocab_size, (microbatch_size, seq_len))
+            model.loss_function(output, labels, vocab_size=spec.vocab_size).backward()
+        else:
+            grad = torch.randn_like(output)
+            receive.add((grad.device, grad.untyped_storage().data_ptr()))
+            output.backward(grad)
+    try:
+        held = deferred_w.queued_storages()
+        measured = sum(b for key, b in held.items() if key not in receive)
+    finally:
+        deferred_w.apply_queued_weight_grads(model.parameters())
+    estimate = queued_bytes(
+        spec, dtype, layers=layers, first=first, last=last, microbatch_size=microbatch_size, seq_len=seq_len
+    )
+    what = "first stage" if first else ("last stage" if last else "middle stage")
+    return Measurement(name, dtype, f"{what} queue", layers, microbatch_size, seq_len, measured, estimate)
 
 
 def measure_layer(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -102,7 +103,14 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transpos
 
 @torch.library.custom_op("pp_offload::input_grad_and_queue", mutates_args=())
 def _input_grad_and_queue(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, transposed: bool, compiled: bool
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    transposed: bool,
+    compiled: bool,
+    share: int = -1,
+    first: bool = True,
+    after: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The input gradient; queues (x, dy) for W as a side effect. It returns dX so the partitioner keeps
     it (an op whose output nobody uses would be dropped as dead code, and its queueing with it).
@@ -110,11 +118,15 @@ def _input_grad_and_queue(
     ``compiled`` (set when the backward was traced by torch.compile): the queue keeps copies. Inductor
     plans a compiled backward's memory as if an op kept none of its inputs: it reuses their buffers for
     later intermediates of the same graph (and the saved activations' buffers, when it may donate them),
-    which would overwrite a queued tensor before W reads it (measured: wrong weight gradients)."""
+    which would overwrite a queued tensor before W reads it (measured: wrong weight gradients).
+    ``share`` >= 0: layers that read one input (q/k/v, gate/up, LoRA A adapters) share one copy of it
+    (`_trace_share`): the ``first`` copies it, the others (which take the first's input gradient as
+    ``after``, so that they run after it) queue that copy. The defaults (no sharing) are the schema of
+    graphs compiled before sharing existed, which torch's compile caches may still hand back."""
     mode = _MODE[-1]
     if mode == "collect":
         if compiled:
-            x, dy = x.clone(), dy.clone()
+            x, dy = _shared_copy(x, share, first), dy.clone()
         _QUEUE.append((weight, x, dy, transposed))
     elif mode == "direct":
         ref = _WEIGHTS.get(_key(weight))
@@ -131,10 +143,46 @@ def _input_grad_and_queue(
 
 
 @_input_grad_and_queue.register_fake
-def _(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, transposed: bool, compiled: bool
-) -> torch.Tensor:
-    return torch.empty_like(x)
+def _(dy: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty_like(x)  # the input gradient has the input's shape
+
+
+# Compiled backwards: the copy of each shared layer input, by share slot, made by the slot's first user in
+# the running graph (`_input_grad_and_queue`); emptied when a backward's collecting ends (a user that finds
+# its slot empty copies the input itself: always exact).
+_SHARED: dict[int, torch.Tensor] = {}
+# While tracing: id of a traced layer input -> (a weak reference to it, its first user's input gradient, its
+# share slot), so that the layers reading one input share one slot; dropped once the input is (its trace
+# ended). The gradient is held: autograd's accumulation may drop it before the input's last reader is
+# traced. Slots are never reused.
+_TRACED: dict[int, tuple[Any, Any, int]] = {}
+_SLOTS = itertools.count()
+
+
+def _shared_copy(x: torch.Tensor, share: int, first: bool) -> torch.Tensor:
+    if share < 0:
+        return x.clone()
+    if first or share not in _SHARED:
+        _SHARED[share] = x.clone()
+    return _SHARED[share]
+
+
+def _trace_share(x: torch.Tensor) -> tuple[int, bool, torch.Tensor | None]:
+    """At trace time: (slot, first, after) for a deferring layer reading the traced input ``x``: a new slot
+    for an input no traced layer read yet, else the slot of the layer that read it first and that layer's
+    input gradient (``after``: a data dependency that runs the first user, which copies, before)."""
+    known = _TRACED.get(id(x))
+    if known is not None:
+        ref, dx, slot = known
+        if ref() is x:
+            return slot, False, dx
+    return next(_SLOTS), True, None
+
+
+def _note_first(x: torch.Tensor, slot: int, dx: torch.Tensor) -> None:
+    for key in [k for k, (ref, _, _) in _TRACED.items() if ref() is None]:
+        del _TRACED[key]  # inputs of finished traces
+    _TRACED[id(x)] = (weakref.ref(x), dx, slot)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -150,7 +198,15 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
     dx = dw = db = None
     if need_w and need_x:
         compiled = torch.compiler.is_compiling()
-        dx = torch.ops.pp_offload.input_grad_and_queue(dy, x, weight, ctx.transposed, compiled)
+        if compiled:
+            share, first, after = _trace_share(x)
+            dx = torch.ops.pp_offload.input_grad_and_queue(
+                dy, x, weight, ctx.transposed, compiled, share, first, after
+            )
+            if first:
+                _note_first(x, share, dx)
+        else:
+            dx = torch.ops.pp_offload.input_grad_and_queue(dy, x, weight, ctx.transposed, compiled)
     else:
         # No input gradient wanted (a first layer behind a frozen embedding): nothing would keep a queueing
         # op alive under compile, so the weight gradient is computed here, in I. Still one pass, still exact.
@@ -275,10 +331,11 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def queued_storages() -> dict[tuple[Any, int], int]:
-    """(device, data pointer) -> bytes of each distinct storage the queue holds."""
+def queued_storages(entries: list[Any] | None = None) -> dict[tuple[Any, int], int]:
+    """(device, data pointer) -> bytes of each distinct storage the queue (or ``entries``, a runner's
+    share of it) holds."""
     seen: dict[tuple[Any, int], int] = {}
-    for _, x, dy, _ in _QUEUE:
+    for _, x, dy, _ in _QUEUE if entries is None else entries:
         for t in (x, dy):
             storage = t.untyped_storage()
             seen[(t.device, storage.data_ptr())] = storage.nbytes()
@@ -300,10 +357,15 @@ def collecting(mode: str = "collect") -> Iterator[None]:
         yield
     finally:
         _MODE.pop()
+        _SHARED.clear()  # the backward's graphs have run: their shared copies live on in the queue only
 
 
-def _collecting_backward(method: Any) -> Any:
+def _collecting_backward(stage: Any, method: Any) -> Any:
     def backward_maybe_with_nosync(*args: Any, **kwargs: Any) -> Any:
+        builder = getattr(stage, "dw_builder", None)
+        if isinstance(builder, _Builder) and builder.measure:
+            bwd_kwargs = args[1] if len(args) > 1 else kwargs.get("bwd_kwargs", {})
+            builder.note_output_grads(bwd_kwargs.get("output_grads"))
         with collecting():
             return method(*args, **kwargs)
 
@@ -313,14 +375,32 @@ def _collecting_backward(method: Any) -> Any:
 
 class _Builder:
     """The stage's ``dw_builder``: called right after the stage's I (a full backward), it takes what that
-    backward queued and returns the runner torch calls at the microbatch's W."""
+    backward queued and returns the runner torch calls at the microbatch's W.
+
+    ``measure`` (off: it costs a pass over the queue per microbatch; the planner's probe turns it on):
+    ``queued`` then records the most bytes one microbatch's queue held, each distinct storage once, the
+    stage output's gradient left out (it is torch's receive buffer, allocated for the whole run): what
+    `pp_offload.plan.memory.queued_bytes` predicts."""
 
     def __init__(self, stage: Any) -> None:
         self.stage = stage
+        self.measure = False
+        self.queued = 0
+        self._output_grads: set[tuple[Any, int]] = set()
+
+    def note_output_grads(self, grads: Any) -> None:
+        tensors = grads if isinstance(grads, (list, tuple)) else [grads]
+        self._output_grads = {
+            (t.device, t.untyped_storage().data_ptr()) for t in tensors if isinstance(t, torch.Tensor)
+        }
 
     def __call__(self) -> Any:
         entries = _QUEUE[:]
         _QUEUE.clear()
+        if self.measure:
+            held = queued_storages(entries)
+            nbytes = sum(b for key, b in held.items() if key not in self._output_grads)
+            self.queued = max(self.queued, nbytes)
         submod = self.stage.submod
 
         def run_w() -> None:
@@ -383,7 +463,7 @@ def defer_weight_grads(stages: Iterable[Any], enabled: bool = True) -> list[Any]
         if not isinstance(getattr(stage, "dw_builder", None), _Builder):
             stage.dw_builder = _Builder(stage)
         if not getattr(stage.backward_maybe_with_nosync, "_pp_offload_collecting", False):
-            stage.backward_maybe_with_nosync = _collecting_backward(stage.backward_maybe_with_nosync)
+            stage.backward_maybe_with_nosync = _collecting_backward(stage, stage.backward_maybe_with_nosync)
         compat.wrap_shape_inference_backward(stage, functools.partial(collecting, "discard"))
         deferring.append(stage)
     return deferring
