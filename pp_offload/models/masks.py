@@ -105,12 +105,22 @@ def build_mask(
     packed: torch.Tensor | None,
     kind: str = "full_attention",
     extra: dict[str, Any] | None = None,
+    uniform: bool = False,
 ) -> Any:
     """The mask ``build`` (a transformers mask builder such as ``create_causal_mask``) gives for a layer of
     ``kind``, without a host read when ``packed`` (`packed_rows` of the batch, on the CPU) is given.
 
-    ``position_ids`` None means the family builds its masks without them (no packing check at all)."""
+    ``position_ids`` None means the family builds its masks without them (no packing check at all).
+
+    ``uniform``: never None (transformers' ``allow_is_causal_skip=False``), for compiled layers. A causal
+    mask of unpacked rows is None by default (sdpa then runs its causal kernel without a mask) and a tensor
+    for packed rows; a compiled layer guards on that difference and compiles a second graph the first time
+    the other kind of microbatch comes, possibly many steps in. With a tensor for both, packed and
+    unpacked microbatches share one graph; the price is the masked attention kernel for unpacked rows
+    (the same values: an explicit causal mask)."""
     extra = dict(extra or {})
+    if uniform and "allow_is_causal_skip" in _parameters(build):
+        extra["allow_is_causal_skip"] = False
     if position_ids is None or attention_mask is not None:
         # transformers checks packing only without a padding mask: nothing to decide here
         return _call(build, config, hidden, attention_mask=attention_mask, position_ids=position_ids, **extra)
