@@ -123,6 +123,26 @@ def _grads(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
 
 
+def aliases(family: str) -> dict[str, str]:
+    """Every parameter name of the family's model -> the name ``named_parameters()`` gives it (a tied
+    weight has two names; a pipeline rank holding only the LM head calls it by the head's)."""
+    net, names = model(family), {}
+    first = {id(p): n for n, p in reversed(list(net.named_parameters(remove_duplicate=False)))}
+    for name, param in net.named_parameters(remove_duplicate=False):
+        names[name] = first[id(param)]
+    return names
+
+
+def sum_over_ranks(per_rank: list[dict[str, torch.Tensor]], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The model's gradients from the ranks' (a weight tied across two ranks: its two parts summed)."""
+    summed: dict[str, torch.Tensor] = {}
+    for grads in per_rank:
+        for name, grad in grads.items():
+            key = names.get(name, name)
+            summed[key] = summed[key] + grad if key in summed else grad
+    return summed
+
+
 def reference(family: str, backend: str) -> dict[str, torch.Tensor]:
     """The same model, each decoder layer compiled with ``backend`` (no recompute: it changes what is kept,
     not the gradients), in one process, on the packed batch: every parameter's gradient."""

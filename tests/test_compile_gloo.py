@@ -24,11 +24,9 @@ in the bench.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 import torch
-from _compiled_pipeline import run_cells
+from _compiled_pipeline import aliases, run_cells, sum_over_ranks
 from _dist import run_on_ranks
 
 CELLS = [
@@ -54,15 +52,13 @@ def test_compiled_pipelines_match_one_process() -> None:
     references = {got["reference"]: got["grads"] for per_rank in results for got in per_rank[len(CELLS) :]}
     for index, cell in enumerate(CELLS):
         label = " ".join(f"{k}={v}" for k, v in cell.items())
-        summed: dict[str, torch.Tensor] = defaultdict(lambda: 0)  # a weight tied across ranks: its parts
         for rank, per_rank in enumerate(results):
             got = per_rank[index]
             assert "error" not in got, f"rank {rank} {label}: {got['error']}"
             assert got["graphs_after_first"] == 0, f"rank {rank} {label}: recompiled after the first step"
             if cell["recompute"] is not None:
                 assert got["runs_per_microbatch"] == 2, f"rank {rank} {label}: {got['runs_per_microbatch']}"
-            for name, grad in got["grads"].items():
-                summed[name] = summed[name] + grad
+        summed = sum_over_ranks([r[index]["grads"] for r in results], aliases(cell["family"]))
         want = references[cell["family"]]
         assert set(summed) == set(want), f"{label}: {set(summed) ^ set(want)}"
         for name, grad in want.items():
