@@ -21,7 +21,7 @@ import torch
 from _tiny_hf import RECIPE_LLAMA
 
 MICROBATCHES = 4
-ROWS = 4
+ROWS = 8  # 2 rows a microbatch: a mask's batch stride matters (a 1-row batch hides it)
 SEQ = 16
 VOCAB = 96
 FAMILIES: dict[str, dict[str, Any]] = {

@@ -117,10 +117,24 @@ def build_mask(
     for packed rows; a compiled layer guards on that difference and compiles a second graph the first time
     the other kind of microbatch comes, possibly many steps in. With a tensor for both, packed and
     unpacked microbatches share one graph; the price is the masked attention kernel for unpacked rows
-    (the same values: an explicit causal mask)."""
+    (the same values: an explicit causal mask). The mask is made contiguous too: transformers expands the
+    causal mask of unpacked rows over the batch (stride 0) where a packed one has its own rows, and a
+    compiled layer guards on strides."""
+    if uniform:
+        mask = build_mask(
+            build,
+            config=config,
+            hidden=hidden,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            packed=packed,
+            kind=kind,
+            extra={**(extra or {}), "allow_is_causal_skip": False}
+            if "allow_is_causal_skip" in _parameters(build)
+            else extra,
+        )
+        return mask.contiguous() if isinstance(mask, torch.Tensor) else mask
     extra = dict(extra or {})
-    if uniform and "allow_is_causal_skip" in _parameters(build):
-        extra["allow_is_causal_skip"] = False
     if position_ids is None or attention_mask is not None:
         # transformers checks packing only without a padding mask: nothing to decide here
         return _call(build, config, hidden, attention_mask=attention_mask, position_ids=position_ids, **extra)
