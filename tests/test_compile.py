@@ -124,3 +124,37 @@ def test_compiled_selective_recompute_saves_and_recomputes_what_eager_does(famil
     assert compiled[1] == eager[1], (compiled[1], eager[1])
     for got, want in zip(compiled[2], eager[2], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_uniform_masks_are_contiguous_tensors_for_packed_and_unpacked_rows() -> None:
+    """Compiled stages get a mask tensor of one layout whatever the rows pack (one graph for both): an
+    unpacked row's causal mask is a tensor (None by default) with its own batch rows (transformers
+    expands it with stride 0), equal to the packed path's mask for one document a row."""
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    from pp_offload.models.masks import build_mask, packed_rows
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, vocab_size=16)
+    config._attn_implementation = "sdpa"
+    hidden = torch.zeros(2, 8, 32)
+    single = torch.arange(8).repeat(2, 1)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)
+
+    def mask(positions: torch.Tensor, uniform: bool) -> Any:
+        return build_mask(
+            create_causal_mask,
+            config=config,
+            hidden=hidden,
+            attention_mask=None,
+            position_ids=positions,
+            packed=packed_rows(positions),
+            uniform=uniform,
+        )
+
+    assert mask(single, uniform=False) is None
+    plain, documents = mask(single, uniform=True), mask(packed, uniform=True)
+    assert isinstance(plain, torch.Tensor) and isinstance(documents, torch.Tensor)
+    assert plain.stride() == documents.stride() and plain.dtype == documents.dtype
+    assert torch.equal(plain[0, 0], torch.ones(8, 8, dtype=torch.bool).tril())
+    assert not torch.equal(plain, documents)
