@@ -3,8 +3,8 @@ autograd's bits, frozen weights queue nothing, and a compiled module on torch's 
 refused.
 
 The multi-process equality (every schedule, offload, recompute, FSDP) is in the gloo tests, where deferred W
-is the default; here the op itself, in milliseconds, and one compiled pipeline (2 gloo ranks, inductor: a
-minute on 2 shared cores, most of it compiling).
+is the default; here the op itself, in milliseconds. Compiled layers: tests/test_compile.py and
+tests/test_compile_gloo.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pp_offload.runtime import deferred_w
 from pp_offload.runtime.deferred_w import (
     apply_queued_weight_grads,
     collecting,
-    compiled_modules,
     defer_weight_grads,
     deferred_modules,
     refuse_compiled_split,
@@ -150,115 +149,3 @@ def test_compiled_module_on_torchs_split_is_refused() -> None:
     wrapped = SimpleNamespace(submod=nn.Sequential(torch.compile(nn.Linear(4, 4))), stage_index=0)
     with pytest.raises(ValueError, match=r"compiled module '0'"):
         refuse_compiled_split([wrapped], "ScheduleZBVZeroBubble")
-
-
-class _Block(nn.Module):
-    """A stage for the compiled pipeline check: a class of this file (dynamo does not trace torch.nn's own
-    containers, so an ``nn.Sequential`` would run uncompiled)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down, self.norm = nn.Linear(16, 32), nn.Linear(32, 16), nn.LayerNorm(16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.down(nn.functional.gelu(self.up(x))))
-
-
-def _blocks() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*[_Block() for _ in range(4)])
-
-
-def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(output, target)
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return torch.randn(8, 3, 16, generator=gen), torch.randn(8, 3, 16, generator=gen)
-
-
-def _compiled_v_half_worker(rank: int, world_size: int) -> dict:
-    from torch.distributed.pipelining import PipelineStage
-
-    from pp_offload.runtime.catalog import build_schedule, schedule_info
-
-    model = _blocks()
-    ids = (rank, 3 - rank)
-
-    def stages() -> list:
-        return [PipelineStage(model[s], s, 4, torch.device("cpu")) for s in ids]
-
-    for s in ids:
-        model[s].compile(backend="inductor")
-    info = schedule_info("ScheduleVHalf")
-    try:  # torch's retained-graph split would run each compiled backward twice: refused before any step
-        build_schedule(info, stages(), 4, loss_fn=_mse, scale_grads=False, deferred_w=False)
-        refused = "no error"
-    except ValueError as error:
-        refused = str(error)
-    schedule = build_schedule(info, stages(), 4, loss_fn=_mse, scale_grads=False)
-    x, y = _batch()
-    schedule.step(*((x,) if rank == 0 else ()), **({"target": y} if rank == 0 else {}))
-    grads = {f"{s}.{n}": p.grad.clone() for s in ids for n, p in model[s].named_parameters()}
-    return {"refused": refused, "grads": grads, "compiled": compiled_modules(model)}
-
-
-def test_compiled_layers_under_v_half_on_two_ranks() -> None:
-    """Blocks compiled in place (inductor) under V-Half on 2 gloo ranks: every gradient within 1e-4 of the
-    unsplit model (eager; compiled and eager differ by ~1e-7 here), and torch's split refused."""
-    from _dist import run_on_ranks
-    from _reference import sequential_reference
-
-    results = run_on_ranks(_compiled_v_half_worker, 2, timeout=240)
-    x, y = _batch()
-    _, want = sequential_reference(_blocks(), x, y, 4, _mse)
-    seen = set()
-    for r in results:
-        assert "holds compiled module" in r["refused"] and "deferred_w=True" in r["refused"], r["refused"]
-        assert len(r["compiled"]) == 2
-        for key, grad in r["grads"].items():
-            torch.testing.assert_close(
-                grad, want[key], rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
-            )
-            seen.add(key)
-    assert seen == set(want)
-
-
-def test_compile_options_and_regional_compile() -> None:
-    from pp_offload.runtime.compile import (
-        CompileOptions,
-        CompileWatch,
-        check_recompute_compiles,
-        compile_layers,
-    )
-
-    assert CompileOptions.coerce(False) is None and CompileOptions.coerce(None) is None
-    assert CompileOptions.coerce(True) == CompileOptions()
-    assert CompileOptions.coerce({"mode": "max-autotune", "fullgraph": True}) == CompileOptions(
-        mode="max-autotune", fullgraph=True
-    )
-    with pytest.raises(ValueError, match=r"unknown keys \['backnd'\]; known: mode, backend, fullgraph"):
-        CompileOptions.coerce({"backnd": "eager"})
-    with pytest.raises(ValueError, match="must be true, false or a mapping"):
-        CompileOptions.coerce("yes")
-    with pytest.raises(ValueError, match="fullgraph true/false"):
-        CompileOptions.coerce({"fullgraph": "no"})
-    check_recompute_compiles(None)
-    check_recompute_compiles("full")
-    with pytest.raises(ValueError, match=r"activation_checkpointing='selective:0.5,mlp': selective and mlp"):
-        check_recompute_compiles("selective:0.5,mlp")
-    stage = nn.Module()
-    stage.embed, stage.layers = nn.Embedding(4, 4), nn.ModuleList([_Block(), _Block()])
-    assert compile_layers([stage], CompileOptions(backend="eager")) == 2  # lazy: compiles at the first call
-    assert compiled_modules(stage) == ["layers.0", "layers.1"]
-    lines: list[str] = []
-    watch = CompileWatch(2)
-    watch.after_step(lines.append)
-    assert lines == []
-    watch.after_step(lines.append)
-    assert (
-        len(lines) == 1
-        and lines[0].startswith("compile: 2 layers,")
-        and "0 graphs compiled after it" in lines[0]
-    )

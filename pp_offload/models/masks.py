@@ -105,11 +105,35 @@ def build_mask(
     packed: torch.Tensor | None,
     kind: str = "full_attention",
     extra: dict[str, Any] | None = None,
+    uniform: bool = False,
 ) -> Any:
     """The mask ``build`` (a transformers mask builder such as ``create_causal_mask``) gives for a layer of
     ``kind``, without a host read when ``packed`` (`packed_rows` of the batch, on the CPU) is given.
 
-    ``position_ids`` None means the family builds its masks without them (no packing check at all)."""
+    ``position_ids`` None means the family builds its masks without them (no packing check at all).
+
+    ``uniform``: never None (transformers' ``allow_is_causal_skip=False``), for compiled layers. A causal
+    mask of unpacked rows is None by default (sdpa then runs its causal kernel without a mask) and a tensor
+    for packed rows; a compiled layer guards on that difference and compiles a second graph the first time
+    the other kind of microbatch comes, possibly many steps in. With a tensor for both, packed and
+    unpacked microbatches share one graph; the price is the masked attention kernel for unpacked rows
+    (the same values: an explicit causal mask). The mask is made contiguous too: transformers expands the
+    causal mask of unpacked rows over the batch (stride 0) where a packed one has its own rows, and a
+    compiled layer guards on strides."""
+    if uniform:
+        mask = build_mask(
+            build,
+            config=config,
+            hidden=hidden,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            packed=packed,
+            kind=kind,
+            extra={**(extra or {}), "allow_is_causal_skip": False}
+            if "allow_is_causal_skip" in _parameters(build)
+            else extra,
+        )
+        return mask.contiguous() if isinstance(mask, torch.Tensor) else mask
     extra = dict(extra or {})
     if position_ids is None or attention_mask is not None:
         # transformers checks packing only without a padding mask: nothing to decide here

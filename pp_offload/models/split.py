@@ -116,6 +116,9 @@ class CausalLMStage(nn.Module):
         self.layer_ids = tuple(layer_ids)
         self._family = family
         self._config = model.config
+        # tensor masks only, never None (set by `pp_offload.runtime.compile.compile_layers`): one compiled
+        # graph for packed and unpacked microbatches (`pp_offload.models.masks.build_mask`'s ``uniform``)
+        self.tensor_masks = False
         trimmed = _trimmed(model, family, layer_ids, self.is_first, self.is_last)
         for name, child in trimmed.named_children():
             self.add_module(name, child)
@@ -197,7 +200,13 @@ class CausalLMStage(nn.Module):
         kinds = {index: _layer_type(self._config, index) for index in self.layer_ids}
         mask_positions = position_ids if self._family.mask_positions else None
         masks = _attention_masks(
-            self._config, set(kinds.values()), hidden, facts, mask_positions, dict(self._family.mask_extra)
+            self._config,
+            set(kinds.values()),
+            hidden,
+            facts,
+            mask_positions,
+            dict(self._family.mask_extra),
+            uniform=self.tensor_masks,
         )
         rotary: dict[str, Any] = {}
         if "rotary_emb" not in self._family.shared:
@@ -245,6 +254,7 @@ class CausalLMStage(nn.Module):
             attention_mask=facts.attention_mask,
             position_ids=position_ids,
             packed=facts.packed_rows,
+            uniform=self.tensor_masks,
         )
         for _, block in getattr(base, self._family.layers).indexed():
             out = block(hidden, attention_mask=causal, use_cache=False, position_ids=position_ids)
@@ -280,6 +290,8 @@ def _attention_masks(
     facts: _MaskFacts,
     position_ids: torch.Tensor | None,
     family_extra: dict[str, Any] | None = None,
+    *,
+    uniform: bool = False,
 ) -> dict[str, Any]:
     """One mask per layer kind, built as the families' base models build them (transformers 5.x), with
     no host read of a device tensor (`pp_offload.models.masks`)."""
@@ -308,6 +320,7 @@ def _attention_masks(
             packed=facts.packed_rows,
             kind=kind,
             extra={**extra, **(family_extra or {})},
+            uniform=uniform,
         )
     return masks
 

@@ -77,6 +77,7 @@ __all__ = [
     "ShardedStages",
     "activation_checkpointing",
     "apply_fsdp",
+    "checkpointed_mode",
     "checkpointing_mode",
     "clip_grad_norm_",
     "grad_norm",
@@ -337,11 +338,10 @@ def _selective_once(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     return checkpoint_once(forward, *args, context_fn=_selective_context(), **kwargs)
 
 
-@functools.cache
 def _selective_context() -> Callable[[], Any]:
-    from pp_offload.runtime.recompute import selective_checkpoint_context
+    from pp_offload.runtime.recompute import selective_context
 
-    return selective_checkpoint_context()
+    return selective_context()  # eager: our dispatch modes; compiled: torch's selective-checkpoint policy
 
 
 _WRAPPERS: dict[tuple[str, bool], Callable[..., Any]] = {
@@ -381,7 +381,7 @@ def _wrapper_of(module: nn.Module) -> Callable[..., Any] | None:
     return None
 
 
-def _current_mode(layer: nn.Module) -> tuple[str, bool]:
+def checkpointed_mode(layer: nn.Module) -> tuple[str, bool]:
     """How ``layer`` is checkpointed now, as (mode, once): its own forward wrapped (``full``/
     ``selective``), its ``mlp``'s (``mlp``), or not at all (``("none", False)``)."""
     own = _wrapper_of(layer)
@@ -491,7 +491,7 @@ def activation_checkpointing(
         found = list(find_layers(stage))
         for layer, mode in zip(found, plan.modes(len(found)), strict=True):
             want = (mode, plan.once and mode != "none")
-            current = _current_mode(layer)
+            current = checkpointed_mode(layer)
             if current == want:
                 continue
             if current != _NOT_WRAPPED:  # another mode, or out of the share

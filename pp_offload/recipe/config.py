@@ -152,9 +152,9 @@ class TrainConfig:
         compile: Compile each decoder layer in place with ``torch.compile`` (regional compile): ``false``,
             ``true``, or ``{mode: ..., backend: inductor, fullgraph: false}``. Works with every schedule:
             split-backward ones defer weight gradients to W (docs/hot-path.md), so a compiled layer's
-            backward runs once per microbatch. With full recompute or none (selective and mlp recompute
-            are refused: their dispatch modes do not compile). The compile time and the graphs compiled
-            after the first step are printed once.
+            backward runs once per microbatch. With any recompute plan (selective and mlp through
+            torch's selective-checkpoint policy; ``+once`` is refused, and not needed). The compile time
+            and the graphs compiled after the first step are printed once.
         seed: Seed of the weights' initialisation and of the batch order.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         timeout_s: Collective timeout in seconds: a stuck or missing rank fails the job instead of

@@ -141,11 +141,17 @@ def check_compile_compatibility(stages: Iterable[Any], schedule_name: str) -> No
 
 
 def is_compiled_module(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a ``torch.compile(module)`` wrapper or was compiled in place
-    (``module.compile()``, which sets the private ``_compiled_call_impl``)."""
+    """Whether ``module`` is a ``torch.compile(module)`` wrapper, was compiled in place (``module.compile()``,
+    which sets the private ``_compiled_call_impl``), or has a compiled function as its own ``forward``
+    (`pp_offload.runtime.compile.compile_layers`; torch marks it ``_torchdynamo_orig_callable``)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+    forward = vars(module).get("forward")
+    return (
+        isinstance(module, OptimizedModule)
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or getattr(forward, "_torchdynamo_orig_callable", None) is not None
+    )
 
 
 def wrap_shape_inference_backward(stage: Any, context: Callable[[], Any]) -> None:

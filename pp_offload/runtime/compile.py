@@ -19,10 +19,12 @@ prints, once, the compile time of the first step and the number of graphs compil
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from pp_offload.runtime import compat
@@ -72,28 +74,79 @@ def _layers(module: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
+@functools.cache
+def _checkpointed_class(cls: type, wrapper: Any) -> type:
+    """``cls`` whose class-level ``forward`` runs the class's own forward under ``wrapper`` (a checkpoint
+    wrapper of `pp_offload.parallel.fsdp`)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return wrapper(functools.partial(cls.forward, self), *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+
+
+def _checkpoint_by_class(layer: nn.Module) -> None:
+    """Turn the per-instance checkpoint wrappers of ``layer``'s submodules (mlp recompute wraps
+    ``layer.mlp.forward``) into a shared class: dynamo guards on the identity of a submodule's instance
+    ``forward``, so each layer compiled its own graph (and past ``recompile_limit``, 8, layers ran
+    eagerly); with a class, one graph serves them all. The layer's own wrapper is what is compiled, no
+    guard is on it."""
+    for module in layer.modules():
+        if module is layer:
+            continue
+        forward = vars(module).get("forward")
+        if not isinstance(forward, functools.partial) or not forward.args:
+            continue
+        inner = forward.args[0]
+        cls = type(module)
+        if getattr(inner, "__self__", None) is module and getattr(inner, "__func__", None) is cls.forward:
+            del module.forward
+            module.__class__ = _checkpointed_class(cls, forward.func)
+
+
 def check_recompute_compiles(recompute: str | None) -> None:
-    """Refuse selective and MLP-only recompute under compile: their dispatch modes
-    (`pp_offload.runtime.recompute`) run inside ``torch.utils.checkpoint`` through a ``context_fn`` dynamo
-    cannot trace (an internal dynamo error at the first step). Full recompute compiles."""
-    if recompute is not None and any(mode in recompute for mode in ("selective", "mlp")):
+    """Refuse a ``+once`` recompute plan under compile. Its checkpoint (`pp_offload.runtime.recompute_once`)
+    keeps what I recomputed for W through saved-tensor hooks that dynamo does not trace (the recomputation
+    then saves other tensors than the forward: an error at the first backward), and under deferred W, the
+    default with compile, every plan recomputes once anyway. Full, selective and mlp recompute compile:
+    selective and mlp through torch's selective-checkpoint policy
+    (`pp_offload.runtime.recompute.selective_context`)."""
+    if recompute is not None and "+once" in recompute:
         raise ValueError(
-            f"train.compile with train.activation_checkpointing={recompute!r}: selective and mlp recompute "
-            "run dispatch modes that torch.compile cannot trace; use full recompute (true) or none with "
-            "compile, or turn compile off"
+            f"train.compile with train.activation_checkpointing={recompute!r}: '+once' does not compile and "
+            f"is no longer needed (deferred weight gradients recompute each layer once per microbatch); use "
+            f"{recompute.replace('+once', '')!r}"
         )
 
 
 def compile_layers(modules: Iterable[nn.Module], options: CompileOptions | None = None) -> int:
-    """Compile each decoder layer of ``modules`` in place (``layer.compile(...)``); returns how many.
+    """Compile each decoder layer of ``modules`` in place; returns how many.
 
-    Call after activation checkpointing is applied (the layer's checkpointed forward is what is compiled)
-    and before the first step; compilation itself happens at the first forward."""
+    The layer's ``forward`` is compiled, not the module call (``layer.compile()``): the module's hooks
+    stay eager. The runtime hooks decoder layers: budget offload opens and closes a capture of the
+    activation store around each layer, the dropout keys seed the generators before it. Traced by
+    dynamo, the store's pool bookkeeping became guards that failed at the next microbatch: 3 to 4 graphs
+    compiled after the first step on each rank of a 2-rank DualPipeV run with ``budget`` offload, none
+    with the hooks left eager. One graph still serves every layer of the class.
+
+    Call after activation checkpointing is applied (the layer's checkpointed forward is what is compiled;
+    selective and mlp recompute then go through torch's selective-checkpoint policy, a ``+once`` layer is
+    refused) and before the first step; compilation itself happens at the first forward."""
+    from pp_offload.parallel.fsdp import checkpointed_mode
+
     options = options or CompileOptions()
     count = 0
     for module in modules:
+        if hasattr(module, "tensor_masks"):  # a CausalLMStage: one graph for packed and unpacked microbatches
+            module.tensor_masks = True
         for layer in _layers(module):
-            layer.compile(mode=options.mode, backend=options.backend, fullgraph=options.fullgraph)
+            mode, once = checkpointed_mode(layer)
+            if once:
+                check_recompute_compiles(f"{mode}+once")
+            _checkpoint_by_class(layer)
+            layer.forward = torch.compile(
+                layer.forward, mode=options.mode, backend=options.backend, fullgraph=options.fullgraph
+            )
             count += 1
     return count
 

@@ -42,12 +42,20 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_map
 
 from pp_offload.runtime import compat, deferred_w  # noqa: F401  (deferred_w registers its op)
 from pp_offload.runtime.store import SavedInCapture, save_in_capture
 
-__all__ = ["NON_SAVING_OPS", "SAVED_OPS", "saved_op_packets", "selective_checkpoint_context"]
+__all__ = [
+    "NON_SAVING_OPS",
+    "SAVED_OPS",
+    "compiled_selective_policy",
+    "saved_op_packets",
+    "selective_checkpoint_context",
+    "selective_context",
+]
 
 SAVED_OPS: tuple[str, ...] = (
     "mm",
@@ -288,3 +296,41 @@ def selective_checkpoint_context(
         return _CacheOutputs(cache), _ReplayOutputs(cache)
 
     return context_fn
+
+
+def compiled_selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """torch's selective-checkpoint policy for the same choice under ``torch.compile``: the outputs of
+    `SAVED_OPS` must be saved, every other op is recomputed.
+
+    Under compile the dispatch modes above cannot run (dynamo does not trace a ``context_fn`` it does not
+    know); torch's own ``create_selective_checkpoint_contexts`` is the one it does. AOT autograd then tags
+    each node of the layer's graph with this policy and its partitioner saves the tagged outputs the
+    backward graph reads and recomputes the rest inside the compiled backward. What the partitioner never
+    saves is an output the backward does not read, the trailing matmul `NON_SAVING_OPS` describes: the
+    same choice as the eager cache, made by the graph (measured equal in tests/test_compile.py). The
+    compiled function saves its tensors as autograd saved tensors, so the activation store sees them."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if getattr(op, "overloadpacket", None) in saved_op_packets():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_EAGER_CONTEXT = selective_checkpoint_context()
+_COMPILED_CONTEXT = functools.partial(
+    torch.utils.checkpoint.create_selective_checkpoint_contexts, compiled_selective_policy
+)
+
+
+def selective_context() -> Callable[[], Any]:
+    """The ``context_fn`` of selective recompute: `selective_checkpoint_context`'s modes in eager, torch's
+    selective-checkpoint contexts with `compiled_selective_policy` while dynamo traces (a compiled layer).
+
+    Why two: in eager, torch's contexts hold the kept outputs outside autograd's saved tensors (the
+    activation store could not move them under offload), keep the trailing matmul's output the
+    recomputation never reads, and refuse a second recomputation (torch's retained-graph split, ``+once``
+    off); under compile the partitioner turns the same policy into saved graph outputs, which the store
+    sees, and the compiled backward recomputes once per backward."""
+    if torch.compiler.is_compiling():
+        return _COMPILED_CONTEXT
+    return _EAGER_CONTEXT
