@@ -127,7 +127,9 @@ def _input_grad_and_queue(
     if mode == "collect":
         if compiled:
             x, dy = _shared_copy(x, share, first), dy.clone()
-        _QUEUE.append((weight, x, dy, transposed))
+        # detached: a queued input would otherwise hold its forward graph (and the saved tensors of any node
+        # this backward did not run) until W
+        _QUEUE.append((weight, x.detach(), dy.detach(), transposed))
     elif mode == "direct":
         ref = _WEIGHTS.get(_key(weight))
         param = ref() if ref is not None else None
