@@ -23,7 +23,9 @@ selective recompute's cached matmul outputs live outside autograd's saved tensor
 capture): ``held MiB`` counts them in neither split.
 
     python bench/bench_deferred_w.py            # ~1 min
-Writes ``deferred_w.json`` to ``bench/results`` (or ``--out DIR``).
+    TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python bench/bench_deferred_w.py --compiled --rounds 5 \
+        --name deferred_w_compiled              # + compiled rows, cold compile caches (~5 min)
+Writes ``deferred_w.json`` (or ``--name``) to ``bench/results`` (or ``--out DIR``).
 """
 
 from __future__ import annotations
