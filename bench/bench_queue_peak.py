@@ -6,8 +6,9 @@ its queue (every trainable linear's input and output gradient) until its W, wher
 saved tensors until W. With recompute the saved tensors are small and the queue is not, so the peak can
 rise; the planner counts the queue since 2026-11-28 (`pp_offload.plan.memory.queued_bytes`). This bench
 runs real steps (gloo, CPU, 2 ranks, a Llama of 8 decoder layers in 4 stages, hidden 256, seq 256, fp32)
-for V-Half and V-ZB, without recompute and with full recompute, and records per rank the most bytes held
-at any action boundary:
+for V-Half and V-ZB, without recompute, with full recompute, and with full recompute and full offload (its
+plan placed with the schedule's default costs), and records per rank the most bytes held at any action
+boundary:
 
 - every distinct storage autograd saved that is still alive (a saved-tensor hook over the step), weights
   left out; storages saved inside a checkpointed layer are seen by the checkpoint's own hooks, not
@@ -16,7 +17,9 @@ at any action boundary:
 - plus, under deferred W, the queue of every microbatch whose I ran and whose W has not, each distinct
   storage once, the stage output's gradient (torch's receive buffer) left out.
 
-Stage outputs and loss tensors (held by torch until I in both splits) and receive buffers are not counted.
+With offload, the device bytes the activation store holds (captured chunks not yet copied out, reloaded chunks
+not yet released) are added. Stage outputs and loss tensors (held by torch until I in both splits) and receive
+buffers are not counted.
 ``predicted`` is the planner's peak of the same accounting (`pp_offload.plan.handoff.planner_setup`'s
 stage bytes, outputs and loss left out) on the order the runtime ran, replayed by the simulator: the byte
 model the planner, ``schedule: auto`` and budget offload use.
@@ -38,7 +41,7 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB")
-MODES = ("none", "full")
+MODES = ("none", "full", "full, offload full")
 SPLITS = ("torch split", "deferred W")
 CONFIG = {
     "layers": 8,
@@ -69,8 +72,9 @@ def _hf_config() -> Any:
 class _Tracker:
     """Bytes held at action boundaries (module doc): saved storages alive plus queues awaiting their W."""
 
-    def __init__(self, params: set[int]) -> None:
+    def __init__(self, params: set[int], store: Any = None) -> None:
         self.params = params
+        self.store = store  # with offload: the activation store, whose chunks its own hooks save
         self.saved: dict[int, Any] = {}  # data pointer -> weak reference to the storage
         self.pending: dict[int, tuple[list[Any], set[Any]]] = {}
         self.peak = 0
@@ -95,7 +99,8 @@ class _Tracker:
                     key = (t.device, t.untyped_storage().data_ptr())
                     if key not in skip:
                         held[("saved", key[1])] = t.untyped_storage().nbytes()
-        self.peak = max(self.peak, sum(held.values()))
+        resident = self.store.resident_bytes() if self.store is not None else 0
+        self.peak = max(self.peak, sum(held.values()) + resident)
 
 
 def _instrument(stages: list[Any], tracker: _Tracker) -> None:
@@ -173,16 +178,19 @@ def _worker(rank: int, world_size: int, m: int) -> list[dict[str, Any]]:
                 torch.manual_seed(0)
                 model = AutoModelForCausalLM.from_config(_hf_config(), dtype=torch.float32).train()
                 split = split_model(model, num_stages=4, stage_indices=indices, verify=False)
-                if mode != "none":
-                    activation_checkpointing(split, mode=mode)
+                recompute, _, offload = mode.partition(", offload ")
+                if recompute != "none":
+                    activation_checkpointing(split, mode=recompute)
                 stages = [PipelineStage(split.stages[s], s, 4, torch.device("cpu")) for s in indices]
                 loss_fn = TokenCrossEntropy()
                 loss_fn.num_target_tokens = m * CONFIG["seq"]
-                schedule = build_schedule(
-                    info, stages, m, deferred_w=split_kind == "deferred W", loss_fn=loss_fn, scale_grads=False
-                )
+                kwargs = {"loss_fn": loss_fn, "scale_grads": False}
+                if offload:
+                    kwargs["offload"] = offload
+                schedule = build_schedule(info, stages, m, deferred_w=split_kind == "deferred W", **kwargs)
                 params = {p.untyped_storage().data_ptr() for p in split.module.parameters()}
-                tracker = _Tracker(params)
+                runtime = getattr(schedule, "offload", None)
+                tracker = _Tracker(params, runtime.store if runtime is not None else None)
                 _instrument(stages, tracker)
                 for _ in range(2):  # the first step allocates torch's buffers; the peak is the second's
                     split.module.zero_grad(set_to_none=True)
@@ -199,14 +207,16 @@ def _worker(rank: int, world_size: int, m: int) -> list[dict[str, Any]]:
                         "split": split_kind,
                         "peak": tracker.peak,
                         "order": order,
+                        "plan": runtime.plan if runtime is not None else None,
                     }
                 )
     return rows
 
 
-def _predicted(name: str, mode: str, deferred: bool, m: int, order: Any) -> list[int]:
+def _predicted(name: str, mode: str, deferred: bool, m: int, order: Any, plan: Any) -> list[int]:
     """The planner's per-rank peak of the same accounting (outputs and loss left out), on the order the
-    runtime ran (its ``pipeline_order``, replayed with the planner's costs)."""
+    runtime ran (its ``pipeline_order``, or with offload its offload plan, replayed with the planner's
+    costs)."""
     import dataclasses
 
     from pp_offload.order.offload_inputs import activation_peaks
@@ -221,7 +231,7 @@ def _predicted(name: str, mode: str, deferred: bool, m: int, order: Any) -> list
         microbatch_size=1,
         num_microbatches=m,
         dtype="fp32",
-        recompute=mode,
+        recompute=mode.partition(",")[0],
         layers_per_stage=[CONFIG["layers"] // 4] * 4,
     )
     for i, st in enumerate(setup.stages):
@@ -229,8 +239,10 @@ def _predicted(name: str, mode: str, deferred: bool, m: int, order: Any) -> list
             st.activation, output=0, loss=0, queued=st.activation.queued if deferred else None
         )
         setup.stages[i] = dataclasses.replace(st, activation=act)
-    sim = simulate(order, setup.costs)
-    return activation_peaks(sim, setup.offload_inputs().stage_bytes)
+    stage_bytes = setup.offload_inputs().stage_bytes
+    if plan is not None:
+        return activation_peaks(plan.replay(setup.costs), stage_bytes, plan.layered)
+    return activation_peaks(simulate(order, setup.costs), stage_bytes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for i, row in enumerate(per_rank[0]):
         predicted = _predicted(
-            row["schedule"], row["recompute"], row["split"] == "deferred W", m, row["order"]
+            row["schedule"], row["recompute"], row["split"] == "deferred W", m, row["order"], row["plan"]
         )
         rows.append(
             {
@@ -262,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         measured = ", ".join(f"{x:.1f}" for x in r["measured_mib"])
         predicted = ", ".join(f"{x:.1f}" for x in r["predicted_mib"])
-        print(f"{r['schedule']:14} {r['recompute']:9} {r['split']:12} {measured:>26} {predicted:>18}")
+        print(f"{r['schedule']:14} {r['recompute']:18} {r['split']:12} {measured:>26} {predicted:>18}")
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
