@@ -13,15 +13,19 @@ layer compiled in place, `pp_offload.runtime.compile.compile_layers`, inductor; 
 - ``F``, ``I``, ``W`` ms: the forward, torch's ``stage_backward_input`` / deferred W's one backward, and
   torch's ``stage_backward_weight`` / the queued GEMMs (`pp_offload.runtime.deferred_w`);
 - ``held MiB``: bytes alive between I and W, by saved-tensor accounting: every distinct storage autograd
-  saved in F that is still alive after I (torch's split keeps the graph, so all of them), plus the
-  deferred-W queue (`deferred_w.queued_bytes`);
+  saved in F that is still alive after I (torch's split keeps the graph, so all of them), parameters left
+  out (the weights ops save are not activations; counted before 2026-11-28, which added 11.3 MiB to the
+  rows without recompute), plus the deferred-W queue (`deferred_w.queued_bytes`). The stage input
+  (0.25 MiB, saved by the first norm) is counted in every row;
 - ``runs/mb``: forward runs of each checkpointed layer (F plus recomputations).
 
 selective recompute's cached matmul outputs live outside autograd's saved tensors (outside an offload
 capture): ``held MiB`` counts them in neither split.
 
     python bench/bench_deferred_w.py            # ~1 min
-Writes ``deferred_w.json`` to ``bench/results`` (or ``--out DIR``).
+    TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python bench/bench_deferred_w.py --compiled --rounds 5 \
+        --name deferred_w_compiled              # + compiled rows, cold compile caches (~5 min)
+Writes ``deferred_w.json`` (or ``--name``) to ``bench/results`` (or ``--out DIR``).
 """
 
 from __future__ import annotations
@@ -79,10 +83,12 @@ def _one(model: Any, embeds: Any, deferred: bool) -> dict[str, float]:
     from pp_offload.runtime import compat, deferred_w
 
     saved: list[Any] = []
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t: torch.Tensor) -> Any:
-        saved.append(weakref.ref(t.untyped_storage()))
-        return t
+        if t.untyped_storage().data_ptr() not in params:  # weights the ops save are not activations
+            saved.append(weakref.ref(t.untyped_storage()))
+        return t.detach()
 
     x = embeds.detach().requires_grad_(True)
     began = time.perf_counter()

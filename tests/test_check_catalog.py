@@ -234,9 +234,10 @@ def test_auto_builds_its_probe_and_the_planners_pick(tmp_path: Path, tokenizer: 
 
 def test_planner_pick_for_llama_3_8b_passes_check_on_the_meta_device(tmp_path: Path, tokenizer: Any) -> None:
     """``pp-offload plan --model llama-3-8b --machine H100 --seq-len 8192 --pp 4 --microbatches 16`` picks
-    ScheduleInterleavedZeroBubble + budget:sublayer + mlp recompute. Planned here among that schedule with
-    and without that offload and recompute only (the full plan takes minutes), its YAML with a config-built
-    model of that shape passes ``--check`` on the meta device in seconds."""
+    ScheduleInterleavedZeroBubble + budget + mlp recompute (budget:sublayer before the planner counted the
+    deferred-W queue; docs/planner.md). Planned here among that schedule with and without budget:sublayer
+    and mlp recompute only (the full plan takes minutes; sub-layer units are the harder build), its YAML
+    with a config-built model of that shape passes ``--check`` on the meta device in seconds."""
     from pp_offload.plan import plan
     from pp_offload.plan.report import recipe_yaml
     from pp_offload.plan.shapes import SHAPES

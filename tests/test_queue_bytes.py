@@ -12,7 +12,7 @@ import torch
 
 from pp_offload.order.actions import F as FWD
 from pp_offload.order.actions import I, W
-from pp_offload.order.offload_inputs import OffloadInputs, StageBytes, activation_peaks
+from pp_offload.order.offload_inputs import OffloadInputs, StageBytes, activation_level, activation_peaks
 from pp_offload.plan.memory import chunk_activation, queued_bytes
 from pp_offload.plan.model import model_spec
 from pp_offload.sim import SimResult
@@ -112,6 +112,28 @@ def test_peaks_hold_saved_to_w_under_torchs_split_and_the_queue_under_deferred_w
     assert activation_peaks(sim, [StageBytes(saved=100)]) == [100]
 
 
+def test_copies_after_a_deferred_input_pass_move_nothing() -> None:
+    """The runtime releases a deferred-W chunk when its I ends, so an OFFLOAD/RELOAD the plan placed between
+    its I and W (for torch's split, where W reads the saved tensors again) lowers nothing; under torch's
+    split the same copy takes the chunk's saved bytes off the device."""
+    sim = _one_stage([(FWD, 0), (FWD, 1), (I, 0), (I, 1), (W, 0), (W, 1)])
+    copy = {"stage_index": 0, "microbatch_index": 0}
+    sim.transfers[0] = [
+        (types.SimpleNamespace(computation_type="OFFLOAD", **copy), 3.0, 3.5),
+        (types.SimpleNamespace(computation_type="RELOAD", **copy), 3.6, 4.0),
+    ]
+    deferred = StageBytes(saved=100, queued=150)
+    plain = _one_stage([(FWD, 0), (FWD, 1), (I, 0), (I, 1), (W, 0), (W, 1)])
+    assert activation_peaks(sim, [deferred]) == activation_peaks(plain, [deferred]) == [300]
+    # torch's split: chunk 0 is off the device from 3.5 to 3.6; the peak (both chunks, 200) is before
+    assert activation_peaks(sim, [StageBytes(saved=100)]) == [200]
+    sim.transfers[0] = [
+        (types.SimpleNamespace(computation_type="OFFLOAD", **copy), 1.0, 1.5),
+        (types.SimpleNamespace(computation_type="RELOAD", **copy), 1.6, 2.0),
+    ]
+    assert activation_level(sim, [deferred], 0, 1.55) == (100, 200)  # a copy before I still counts
+
+
 def test_offload_inputs_carry_the_queue() -> None:
     from pp_offload.order.actions import Costs
 
@@ -205,8 +227,8 @@ def test_a_compiled_backward_queues_one_copy_of_each_shared_input() -> None:
         queues.append((len(entries), sum(storages.values())))
         deferred_w.apply_queued_weight_grads(model.parameters())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        if compiled:  # the copies are not the eager tensors: shared inputs were copied once
-            assert len({id(x) for _, x, _, _ in entries}) == 2 * 4  # per layer: qkv, o, gate/up, down
+        if compiled:  # shared inputs were copied once: per layer q/k/v's, o's, gate/up's, down's
+            assert len({x.untyped_storage().data_ptr() for _, x, _, _ in entries}) == 2 * 4
     spec = model_spec(hf_config)
     expected = queued_bytes(spec, "fp32", layers=2, first=False, last=False, microbatch_size=2, seq_len=32)
     # eager queues the stage output's gradient itself (left out above); compiled a copy of it (counted)
@@ -215,3 +237,59 @@ def test_a_compiled_backward_queues_one_copy_of_each_shared_input() -> None:
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+PROBE_LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+PROBE_SEQ = 32
+
+
+def _probe_queue_worker(rank: int, world: int, m: int) -> dict:
+    from torch.distributed.pipelining import PipelineStage
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from pp_offload.models import TokenCrossEntropy, split_model
+    from pp_offload.plan.probe import PROBE_OFFLOAD, PROBE_SCHEDULE, measure_step
+    from pp_offload.runtime.catalog import build_schedule, schedule_info, stage_indices
+
+    torch.set_num_threads(1)
+    config = LlamaConfig(**PROBE_LLAMA, num_hidden_layers=4, vocab_size=300, attn_implementation="sdpa")
+    info = schedule_info(PROBE_SCHEDULE)
+    indices = stage_indices(rank, world, info.placement)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    split = split_model(model, num_stages=4, stage_indices=indices, verify=False)
+    stages = [PipelineStage(split.stages[s], s, 4, torch.device("cpu")) for s in indices]
+    loss_fn = TokenCrossEntropy()
+    loss_fn.num_target_tokens = m * PROBE_SEQ
+    schedule = build_schedule(info, stages, m, loss_fn=loss_fn, scale_grads=False, offload=PROBE_OFFLOAD)
+    tokens = torch.randint(0, 300, (m, PROBE_SEQ + 1), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        split.module.zero_grad(set_to_none=True)
+        args = (tokens[:, :-1],) if 0 in indices else ()
+        schedule.step(*args, **({"target": tokens[:, 1:], "losses": []} if 3 in indices else {}))
+
+    return measure_step(schedule, step, steps=1).to_dict()
+
+
+def test_the_probe_measures_each_stages_queue_as_the_model_predicts() -> None:
+    """``schedule: auto``'s probe (V-Min, full offload, 2 gloo ranks, a 4-layer Llama in 4 stages):
+    every stage's measured queue is `queued_bytes` of its layers, with the activation store capturing and
+    reloading the saved tensors the queue's inputs come from."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from pp_offload.launch import run_on_ranks
+    from pp_offload.plan.probe import Measurement
+
+    measured = Measurement.from_dict(run_on_ranks(_probe_queue_worker, 2, 2, timeout=180)[0])
+    spec = model_spec(LlamaConfig(**PROBE_LLAMA, num_hidden_layers=4, vocab_size=300))
+    for s, st in enumerate(measured.stages):
+        first, last = s == 0, s == len(measured.stages) - 1
+        kw = {"layers": st.layers, "first": first, "last": last, "microbatch_size": 1, "seq_len": PROBE_SEQ}
+        assert st.queued_bytes == queued_bytes(spec, "fp32", **kw), (s, st)

@@ -226,7 +226,8 @@ def activation_peaks(
     A chunk holds its stage's ``total`` from the start of its F; ``resident`` leaves when its I (or B) ends,
     ``saved`` when its W (or B) ends; ``held_after_input`` (a ``+once`` recompute plan) is held from the start
     of its I to the end of its W. Under deferred W (``queued`` set) ``saved`` leaves with ``resident`` when I
-    ends and ``queued`` is held from there to the end of W instead. An offloaded whole chunk's ``saved`` is
+    ends and ``queued`` is held from there to the end of W instead (the runtime releases such a chunk when its
+    I ends, so the plan's copies of it between I and W move nothing). An offloaded whole chunk's ``saved`` is
     off the device from the end of its OFFLOAD to the start of its RELOAD; a chunk in ``layered`` (budget
     offload) moves per layer instead: each moved layer's bytes (`StageBytes.moved_bytes`) from the end of its
     own copy out to the start of its own copy back (``sim.layer_transfers``).
@@ -272,6 +273,12 @@ def _events(
     """``rank``'s memory changes (time, bytes), sorted, frees first at equal times; ``tagged``: a third
     entry saying whether the change is a copy's (OFFLOAD/RELOAD) rather than a pass's."""
     events: list[tuple[float, int, bool]] = []
+    # deferred W: a chunk's saved tensors are gone once its I ends, so a copy after it moves nothing
+    input_end = {
+        (stage, mb): finish
+        for (stage, kind, mb), _, finish in sim.timeline[rank]
+        if kind == I and stage_bytes[stage].queued is not None
+    }
     for (stage, kind, _), start, finish in sim.timeline[rank]:
         b = stage_bytes[stage]
         if kind == F:
@@ -290,11 +297,14 @@ def _events(
         elif kind == B:
             events.append((finish, -b.total, False))
     for action, index, start, finish in getattr(sim, "layer_transfers", {}).get(rank, []):
+        if start >= input_end.get((int(action.stage_index), int(action.microbatch_index)), math.inf):
+            continue
         nbytes = stage_bytes[int(action.stage_index)].moved_bytes(index)
         events.append((finish, -nbytes, True) if _kind(action) == OFFLOAD else (start, nbytes, True))
     for action, start, finish in sim.transfers.get(rank, []):
-        if (int(action.stage_index), int(action.microbatch_index)) in layered:
-            continue  # counted per layer above
+        key = (int(action.stage_index), int(action.microbatch_index))
+        if key in layered or start >= input_end.get(key, math.inf):
+            continue  # counted per layer above, or after a deferred I
         saved = stage_bytes[int(action.stage_index)].saved
         kind = _kind(action)
         if kind == OFFLOAD:

@@ -246,9 +246,13 @@ class Setup:
         return self.state[rank].total + self.recv[rank] + self.transient[rank] + self.reserve
 
     def unit_bytes(self, rank: int) -> int:
-        """Largest bytes per chunk unit among the rank's stages."""
+        """Largest bytes per chunk unit among the rank's stages: a chunk holds its ``total`` until its I
+        ends, then its deferred-W queue (larger with recompute) until its W ends."""
         scale = self.layout.chunks_per_stage
-        return max(math.ceil(self.stages[s].activation.total / scale) for s in self.layout.stages_of(rank))
+        return max(
+            math.ceil(max(act.total, act.queued or 0) / scale)
+            for act in (self.stages[s].activation for s in self.layout.stages_of(rank))
+        )
 
 
 def setup_schedule(

@@ -127,7 +127,11 @@ def _input_grad_and_queue(
     if mode == "collect":
         if compiled:
             x, dy = _shared_copy(x, share, first), dy.clone()
-        _QUEUE.append((weight, x, dy, transposed))
+        else:
+            x, dy = _compact(x), _compact(dy)
+        # detached: a queued input would otherwise hold its forward graph (and the saved tensors of any node
+        # this backward did not run) until W
+        _QUEUE.append((weight, x.detach(), dy.detach(), transposed))
     elif mode == "direct":
         ref = _WEIGHTS.get(_key(weight))
         param = ref() if ref is not None else None
@@ -157,6 +161,26 @@ _SHARED: dict[int, torch.Tensor] = {}
 # traced. Slots are never reused.
 _TRACED: dict[int, tuple[Any, Any, int]] = {}
 _SLOTS = itertools.count()
+
+
+# Eager backwards: the compact copy of each queued view of a larger storage, by (storage, offset, size,
+# stride, dtype), with the view it was made from: that keeps the storage, so the key names that memory
+# until the backward's collecting ends and empties this.
+_COMPACT: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when it views a larger storage: a saved tensor the activation store reloaded
+    is a view of one buffer holding the whole chunk (`pp_offload.runtime.store`), which a queued view
+    would keep until W. Layers that read one such view (q/k/v, gate/up) share one copy."""
+    storage = t.untyped_storage()
+    if storage.nbytes() <= t.numel() * t.element_size():
+        return t
+    key = (t.device, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    found = _COMPACT.get(key)
+    if found is None:
+        found = _COMPACT[key] = (t, t.clone())
+    return found[1]
 
 
 def _shared_copy(x: torch.Tensor, share: int, first: bool) -> torch.Tensor:
@@ -358,6 +382,7 @@ def collecting(mode: str = "collect") -> Iterator[None]:
     finally:
         _MODE.pop()
         _SHARED.clear()  # the backward's graphs have run: their shared copies live on in the queue only
+        _COMPACT.clear()
 
 
 def _collecting_backward(stage: Any, method: Any) -> Any:

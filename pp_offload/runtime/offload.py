@@ -97,6 +97,9 @@ class OffloadRuntime:
     offloaded: set[tuple[int, int]]
     moved: dict[tuple[int, int], int] = field(default_factory=dict)
     _active: Any = field(default=None, repr=False)  # budget: (chunk, layers moved, kept tensors) in its F
+    spent: set[tuple[int, int]] = field(default_factory=set)
+    """Deferred W: chunks released when their I ended, until their W ends; the plan's copies of them
+    between I and W (made for torch's split, where W reads the saved tensors again) then move nothing."""
 
 
 def enable_offload(
@@ -182,6 +185,8 @@ def enable_offload(
 
     def offload(action: Any, ctx: Any) -> None:
         key = _key(action)
+        if key in runtime.spent:
+            return
         if key not in moved:
             store.offload(key)
             return
@@ -202,6 +207,8 @@ def enable_offload(
 
     def reload(action: Any, ctx: Any) -> None:
         key = _key(action)
+        if key in runtime.spent:
+            return
         if key not in moved:
             store.reload(key)
             return
@@ -213,6 +220,7 @@ def enable_offload(
 
     def fresh_step(step_microbatches: Any, *args: Any, **kwargs: Any) -> Any:
         store.reset()  # a step that failed half-way leaves chunks behind; never let them leak into the next
+        runtime.spent.clear()
         return step_microbatches(*args, **kwargs)
 
     compat.wrap_step_microbatches(schedule, fresh_step)
@@ -464,13 +472,23 @@ def _hook_stage(stage: Any, runtime: OffloadRuntime) -> None:
     def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         result = originals["backward_one_chunk"](bwd_chunk_id, *args, **kwargs)
         full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        key = (stage.stage_index, bwd_chunk_id)
         if full:
-            release((stage.stage_index, bwd_chunk_id))
+            release(key)
+        elif all_deferring([stage]):
+            # deferred W: I is the chunk's last pass over its saved tensors (W reads only the queue, which
+            # holds compact copies of what it needs from a reloaded chunk: `pp_offload.runtime.deferred_w`)
+            release(key)
+            runtime.spent.add(key)
         return result
 
     def backward_weight_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         result = originals["backward_weight_one_chunk"](bwd_chunk_id, *args, **kwargs)
-        release((stage.stage_index, bwd_chunk_id))
+        key = (stage.stage_index, bwd_chunk_id)
+        if key in runtime.spent:
+            runtime.spent.discard(key)
+        else:
+            release(key)
         return result
 
     hooks = {
