@@ -149,3 +149,17 @@ def test_compiled_module_on_torchs_split_is_refused() -> None:
     wrapped = SimpleNamespace(submod=nn.Sequential(torch.compile(nn.Linear(4, 4))), stage_index=0)
     with pytest.raises(ValueError, match=r"compiled module '0'"):
         refuse_compiled_split([wrapped], "ScheduleZBVZeroBubble")
+
+
+def test_a_weight_freed_between_i_and_w_is_an_error_not_a_wrong_match() -> None:
+    # FSDP2 frees a unit's unsharded weights when it reshards after its forward; a freed storage's data
+    # pointer (0) would match any other freed or wrapper parameter of that shape, so W refuses it.
+    model = nn.Sequential(nn.Linear(4, 4))
+    defer_weight_grads([SimpleNamespace(submod=model, backward_maybe_with_nosync=lambda: None)])
+    with collecting():
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    weight = model[0].weight
+    weight.data.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=r"storage freed between the I .* reshard_after_forward=False"):
+        apply_queued_weight_grads(model.parameters())
+    assert deferred_w._QUEUE == []

@@ -333,6 +333,13 @@ def apply_queued_weight_grads(params: Iterable[torch.Tensor], entries: list[Any]
     applied = 0
     while taken:
         weight, x, dy, transposed = taken.pop()
+        if weight.numel() and weight.untyped_storage().nbytes() == 0:
+            raise RuntimeError(
+                f"a weight of shape {tuple(weight.shape)} had its storage freed between the I that queued "
+                "its gradient and this W (an FSDP unit resharded after its forward?), so its gradient "
+                "cannot be matched to a parameter; shard with reshard_after_forward=False under split "
+                "backward (pp_offload.parallel.apply_fsdp's default)"
+            )
         param = by_key.get(_key(weight))
         if param is None:
             raise RuntimeError(
