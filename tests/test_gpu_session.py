@@ -10,7 +10,7 @@ driven here with a step that raises what torch's sync debug mode raises.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -160,12 +160,10 @@ def test_a_bad_configuration_is_refused_before_anything_runs(tmp_path: Path) -> 
     assert not list(tmp_path.iterdir())  # refused before measuring or writing
 
 
-def _bench(monkeypatch: pytest.MonkeyPatch):
-    spec = importlib.util.spec_from_file_location("bench_gpu_replay", ROOT / "bench" / "bench_gpu_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_gpu_replay", module)  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    return module
+def _measure(monkeypatch: pytest.MonkeyPatch):
+    """The replay's `gpu_replay.measure` module, imported as ``bench/bench_gpu_replay.py`` imports it."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    return importlib.import_module("gpu_replay.measure")
 
 
 def _offending_call() -> None:
@@ -180,11 +178,11 @@ def _offending_call() -> None:
 def test_sync_check_names_the_offending_call(monkeypatch: pytest.MonkeyPatch, step, status: str) -> None:
     """The CUDA branch of `sync_check` with torch's debug-mode switch recorded: the mode is always reset,
     a sync error is "failed" with the call site, any other exception "error"."""
-    bench = _bench(monkeypatch)
+    bench = _measure(monkeypatch)
     modes: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
-    monkeypatch.setattr(bench, "_sync", lambda device: None)
-    monkeypatch.setattr(bench, "_free", lambda device: None)
+    monkeypatch.setattr(bench, "synchronize", lambda device: None)
+    monkeypatch.setattr(bench, "free", lambda device: None)
     schedule = SimpleNamespace(step=lambda *a, **k: step())
     result = bench.sync_check(schedule, (), {}, torch.device("cuda", 0))
     assert result["status"] == status
