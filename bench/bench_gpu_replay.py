@@ -38,6 +38,7 @@ first V-Half step (each action timed with the device synchronized,
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import sys
@@ -59,7 +60,7 @@ from gpu_replay.measure import (
 )
 from gpu_replay.predict import calibrate_mfu, prepare, simulated_offload
 from gpu_replay.rank import GIB, TINY_SHAPE, Config, free, ready_rank, synchronize
-from gpu_replay.report import git_commit, plot, replan, tables, write_results
+from gpu_replay.report import compiled_table, git_commit, plot, replan, tables, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu"
 
@@ -83,13 +84,15 @@ DEFAULT_CONFIGS = (
 """schedule/offload/recompute triples measured by default."""
 
 
-def validate_configs(texts: list[str]) -> list[Config]:
+def validate_configs(texts: list[str], *, compiled: bool = False) -> list[Config]:
     """Every configuration parsed and its schedule, offload policy and recompute plan checked before anything
-    is built. Why: a typo found after the calibration (or after an hour of other configurations) costs
-    device time that a GPU session does not have. ValueError naming every bad configuration."""
+    is built (``compiled``: also that the recompute plan compiles). Why: a typo found after the calibration
+    (or after an hour of other configurations) costs device time that a GPU session does not have.
+    ValueError naming every bad configuration."""
     from pp_offload.order.offload import resolve_offload
     from pp_offload.recompute_plan import parse_recompute
     from pp_offload.runtime.catalog import schedule_info
+    from pp_offload.runtime.compile import check_recompute_compiles
 
     configs, bad = [], []
     for text in texts:
@@ -98,6 +101,8 @@ def validate_configs(texts: list[str]) -> list[Config]:
             schedule_info(config.schedule)
             resolve_offload(config.offload)
             parse_recompute(config.recompute)
+            if compiled:
+                check_recompute_compiles(None if config.recompute == "none" else config.recompute)
         except Exception as e:
             bad.append(f"{text!r}: {e}")
             continue
@@ -116,15 +121,29 @@ def run_config(
     mfu: float | None,
     bandwidth: dict[str, float],
 ) -> dict[str, Any]:
+    from pp_offload.runtime import compat
+
     predicted, costs, inputs = prepare(shape, config, args, mfu, bandwidth)
     start = time.perf_counter()
+    compiling, compiled_before = compat.compile_counters()
     schedule, stages, step_args, step_kwargs = ready_rank(
-        shape, config, args, device, dtype, predicted["layers_per_stage"], costs=costs, inputs=inputs
+        shape,
+        config,
+        args,
+        device,
+        dtype,
+        predicted["layers_per_stage"],
+        costs=costs,
+        inputs=inputs,
+        compile_options=_compile_options(args),
     )
     build_s = time.perf_counter() - start
+    first = compat.compile_counters()
     schedule.step(*step_args, **step_kwargs)
     synchronize(device)
     record: dict[str, Any] = {"config": config.__dict__, "build_s": build_s, "predicted": predicted}
+    if args.compile:
+        record["compiled"] = True
     record["stages"] = [stage.stage_index for stage in stages]  # this rank's (the last holds the LM head)
     record["num_stages"] = stages[0].num_stages
     times, peaks, paced = [], [], []
@@ -166,9 +185,25 @@ def run_config(
     record["memory_timeline"] = memory_timeline(schedule, step_args, step_kwargs, device)
     record["copies"] = copy_overlap(schedule, step_args, step_kwargs, device)
     record["host_syncs"] = host_syncs(schedule, step_args, step_kwargs, device)
+    if args.compile:  # the first step compiled; every graph after it is a recompilation
+        seconds, graphs = compat.compile_counters()
+        record["compile"] = {
+            "first_step_s": first[0] - compiling,
+            "graphs": first[1] - compiled_before,
+            "graphs_after_first_step": graphs - first[1],
+        }
     del schedule, stages, pacer
     free(device)
     return record
+
+
+def _compile_options(args: argparse.Namespace) -> Any:
+    """``--compile``: each decoder layer compiled in place (`pp_offload.runtime.compile`), else None."""
+    if not args.compile:
+        return None
+    from pp_offload.runtime.compile import CompileOptions
+
+    return CompileOptions(backend=args.compile_backend)
 
 
 def sync_check_config(
@@ -191,6 +226,20 @@ def sync_check_config(
     del schedule, stages
     free(device)
     return {"config": config.__dict__, "sync_check": result}
+
+
+def _earlier_run(path: Path | None) -> dict[str, Any] | None:
+    """``--calibration``: an earlier replay's results, when they hold a calibration (None: measure here)."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data["meta"]["calibrated_mfu"] is None:
+            raise ValueError("it has no calibrated mfu (a --sync-check run?)")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"--calibration {path}: not used ({type(e).__name__}: {e}); measuring here", flush=True)
+        return None
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +282,21 @@ def main(argv: list[str] | None = None) -> int:
         "recorded as skipped): ends on time under an outer time limit instead of being killed mid-way",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each decoder layer in place (pp_offload.runtime.compile, the recipe's train.compile); "
+        "each record gets the first step's compile time and the graphs compiled after it",
+    )
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        metavar="JSON",
+        help="take the planner's mfu and the host bandwidth from an earlier replay's result file instead of "
+        "measuring them (the compiled rows then share the eager rows' costs), and print its rows beside "
+        "these (compiled over eager)",
+    )
+    parser.add_argument(
         "--check-only",
         action="store_true",
         help="check the arguments and every configuration, then exit (no device needed): a dry run",
@@ -259,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit {args.limit}: run at least 1 configuration")
     try:
-        configs = validate_configs(args.configs)
+        configs = validate_configs(args.configs, compiled=args.compile)
     except ValueError as e:
         parser.error(str(e))
     if args.check_only:
@@ -274,11 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     compat.init_fake_process_group(args.rank, args.pp)
-    bandwidth = measure_host_bandwidth(device)
-    if args.sync_check:
-        mfu, calib = None, {}
+    earlier = _earlier_run(args.calibration)
+    if earlier is not None:
+        bandwidth = earlier["meta"]["host_bandwidth_Bps"]
+        mfu, calib = earlier["meta"]["calibrated_mfu"], earlier["meta"]["pass_s"]
     else:
-        mfu, calib = calibrate_mfu(shape, args, device, dtype)
+        bandwidth = measure_host_bandwidth(device)
+        if args.sync_check:
+            mfu, calib = None, {}
+        else:
+            mfu, calib = calibrate_mfu(shape, args, device, dtype)
     meta = {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -299,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         "host_bandwidth_Bps": bandwidth,
         "pass_s": calib,
         "calibrated_mfu": mfu,
+        "calibration_from": None if earlier is None else str(args.calibration),
+        "compile": None if not args.compile else {"backend": args.compile_backend},
     }
     print(
         f"{meta['device']} torch {meta['torch']} commit {meta['git_commit']}: host copies d2h "
@@ -334,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             record = {"config": config.__dict__, "error": f"{type(e).__name__}: {e}"}
             free(device)
         record["wall_s"] = time.perf_counter() - begin
-        longest = max(longest, record["wall_s"])
+        # the next configuration reuses the compiled code (a warm cache): its compile time is not a guide
+        longest = max(longest, record["wall_s"] - record.get("compile", {}).get("first_step_s", 0.0))
         records.append(record)
         write_results(args.out, args.name, meta, records)
         if "error" in record:
@@ -361,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         failed += [r for r in done if r["sync_check"]["status"] == "error"]
     elif done:
         print(tables(done))
+        if args.compile and earlier is not None:
+            print(compiled_table(earlier["records"], done))
         plot(done, args.out / f"{args.name}.png", meta)
     print(
         f"{len(done)} of {len(records)} configuration(s) done, {len(failed)} failed, "

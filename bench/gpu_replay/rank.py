@@ -68,10 +68,15 @@ def build_rank(
     dtype: torch.dtype,
     costs: Any,
     inputs: Any = None,
+    compile_options: Any = None,
 ) -> tuple[Any, list[Any], Any]:
     """This rank's stages (only its layers exist: the model is built with the rank's layer count and the
     other stages get zero layers) and the schedule on the fake process group. Returns
-    (schedule, stages, loss_fn)."""
+    (schedule, stages, loss_fn). ``compile_options`` (`pp_offload.runtime.compile.CompileOptions`): each
+    decoder layer compiled in place, as the recipe's ``train.compile`` does (compiled at the first step)."""
+    import contextlib
+    import functools
+
     from torch.distributed.pipelining import PipelineStage
     from transformers import AutoModelForCausalLM
 
@@ -80,6 +85,7 @@ def build_rank(
     from pp_offload.parallel import activation_checkpointing
     from pp_offload.runtime import compat
     from pp_offload.runtime.catalog import build_schedule, schedule_info, stage_indices
+    from pp_offload.runtime.compile import compile_layers
     from pp_offload.runtime.offload import enable_offload
 
     info = schedule_info(config.schedule)
@@ -94,6 +100,12 @@ def build_rank(
     split = split_model(model, num_stages=num_stages, stage_indices=held, layers_per_stage=mine, verify=False)
     if config.recompute != "none":
         activation_checkpointing(split, mode=config.recompute)
+    eager: Any = contextlib.nullcontext
+    if compile_options is not None:  # before the schedule, as the recipe: a refused combination stops here
+        compile_layers(split.stages.values(), compile_options)
+        # the metadata forward below runs before deferred W patches the layers: compiled, it would compile
+        # a graph the step never uses (and the step would compile again)
+        eager = functools.partial(torch.compiler.set_stance, "force_eager")
     hidden = int(shape["hidden_size"])
     stages = []
     for s in split.stage_indices:
@@ -101,7 +113,8 @@ def build_rank(
             example = torch.zeros(1, seq, dtype=torch.long, device=device)
         else:
             example = torch.zeros(1, seq, hidden, dtype=dtype, device=device, requires_grad=True)
-        out = split.stages[s](example)  # the stage's output metadata (static: no handshake with peers)
+        with eager():
+            out = split.stages[s](example)  # the stage's output metadata (static: no handshake with peers)
         stages.append(
             PipelineStage(
                 split.stages[s],
@@ -173,9 +186,11 @@ def ready_rank(
     *,
     costs: Any,
     inputs: Any = None,
+    compile_options: Any = None,
 ) -> tuple[Any, list[Any], tuple, dict[str, Any]]:
-    """`build_rank`, then one step (it allocates the receive buffers and gradients) and finite values in
-    the receive buffers. Returns (schedule, stages, step args, step kwargs)."""
+    """`build_rank`, then one step (it allocates the receive buffers and gradients, and compiles the layers
+    under ``compile_options``) and finite values in the receive buffers. Returns (schedule, stages, step
+    args, step kwargs)."""
     from pp_offload.runtime.catalog import schedule_info
 
     schedule, stages, _ = build_rank(
@@ -190,6 +205,7 @@ def ready_rank(
         dtype=dtype,
         costs=costs,
         inputs=inputs,
+        compile_options=compile_options,
     )
     num_stages = args.pp * schedule_info(config.schedule).stages_per_rank(None)
     step_args, step_kwargs = step_inputs(

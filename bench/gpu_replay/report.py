@@ -102,6 +102,40 @@ def tables(records: list[dict[str, Any]]) -> str:
     return "\n".join(mem) + "\n\n" + "\n".join(tim)
 
 
+def compiled_table(eager: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> str:
+    """Each compiled row beside the eager row of the same configuration, rank and model: paced step times
+    and their ratio, activation bytes above the held state, the first step's compile time and the graphs
+    compiled after it (recompilations: 0 expected); and each row's paced step over eager V-Half's
+    without offload, so our V schedules and torch's read off one column, eager and compiled."""
+    by_config = {tuple(r["config"].values()): r for r in eager if "paced_step_s" in r}
+    reference = by_config.get(("ScheduleVHalf", "none", "none"))
+    lines = [
+        "| schedule / offload / recompute | eager paced ms | compiled paced ms | compiled / eager | "
+        "eager x V-Half | compiled x V-Half | activations GiB eager | compiled | compile s | recompiled |",
+        "|" + "---|" * 10,
+    ]
+
+    def gib(r: dict[str, Any] | None) -> str:
+        return "-" if r is None or r.get("above_held_bytes") is None else f"{r['above_held_bytes'] / GIB:.2f}"
+
+    def over(r: dict[str, Any] | None) -> str:
+        if r is None or reference is None:
+            return "-"
+        return f"{r['paced_step_s'] / reference['paced_step_s']:.2f}"
+
+    for r in compiled:
+        e = by_config.get(tuple(r["config"].values()))
+        ratio = "-" if e is None else f"{r['paced_step_s'] / e['paced_step_s']:.2f}"
+        eager_ms = "-" if e is None else f"{e['paced_step_s'] * 1e3:.0f}"
+        comp = r.get("compile", {})
+        lines.append(
+            f"| {Config(**r['config']).label} | {eager_ms} | "
+            f"{r['paced_step_s'] * 1e3:.0f} | {ratio} | {over(e)} | {over(r)} | {gib(e)} | {gib(r)} | "
+            f"{comp.get('first_step_s', float('nan')):.0f} | {comp.get('graphs_after_first_step', '-')} |"
+        )
+    return "\n".join(lines)
+
+
 def replan(path: Path) -> int:
     """The planner's predictions again, for the measurements in ``path`` (same shape, split, machine preset,
     calibrated mfu and measured host bandwidth): how a change of the planner's model moves its error."""
