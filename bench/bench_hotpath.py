@@ -15,7 +15,10 @@ same under torch's retained-graph split, ``(torch split)``; and decoder layers c
 included), then 5 (``--quick``: 3) rounds of one step of each cell in turn (so a change in the machine's
 load hits every cell of a schedule alike, not the cells timed last), each the slowest rank's time; the
 fastest is reported (on a shared machine the fastest step is the one least disturbed by other work), and
-the ratio to the same schedule without recompute (deferred W, eager).
+the ratio to the same schedule without recompute (deferred W, eager). Each step is also timed in CPU time
+(``time.process_time`` of each rank, the slowest rank's), which other processes on the machine inflate far
+less than the wall clock (it leaves out the pipeline's waits). A second table sets the cells side by side
+per schedule and recompute plan: deferred W over torch's split, compiled over eager, wall and CPU time.
 
 Counted on one more step of each cell (not timed): host-synchronizing ops in ``schedule.step``
 (`pp_offload.runtime.step_counts.SyncCounter`) and runs of each checkpointed module per microbatch
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from datetime import datetime, timezone
@@ -166,13 +170,14 @@ def _stepper(schedule: Any, ids: list[int], batch: dict[str, Any], split: Any):
     return step
 
 
-def _slowest(seconds: float) -> float:
+def _slowest(*seconds: float) -> list[float]:
+    """Each of ``seconds`` as the slowest rank's (max over the ranks)."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return t.tolist()
 
 
 def _predict(rank: int, cfg: dict[str, Any], m: int) -> tuple[dict[str, dict[tuple[str, str], float]], Any]:
@@ -219,14 +224,16 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
             split, schedule, ids = _pipeline(name, rank, cfg, m, recompute, variant=variant.strip("()"))
             cells[mode] = (split, _stepper(schedule, ids, batch, split))
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
         for timed in range(cfg["steps"] + 1):  # the first round warms up (buffers, compiling, first step)
             for mode in MODES:  # modes alternate: drift hits each alike
                 dist.barrier()
-                began = time.perf_counter()
+                began, began_cpu = time.perf_counter(), time.process_time()
                 cells[mode][1]()
-                seconds = _slowest(time.perf_counter() - began)
+                seconds, cpu_seconds = _slowest(time.perf_counter() - began, time.process_time() - began_cpu)
                 if timed:
                     times[mode].append(seconds)
+                    cpu[mode].append(cpu_seconds)
         for mode in MODES:
             split, step = cells[mode]
             runs = count_layer_runs(split.stages.values())
@@ -242,6 +249,7 @@ def _worker(rank: int, world_size: int, cfg: dict[str, Any], m: int) -> dict[str
                     "schedule": name,
                     "mode": mode,
                     "step_s": min(times[mode]),
+                    "cpu_s": min(cpu[mode]),
                     "syncs_per_rank": int(total_syncs),
                     "runs_per_microbatch": float(worst_runs),
                     **{
@@ -285,6 +293,40 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['schedule']:24} {r['mode']:24} {r['step_s']:7.3f} {r['ratio']:7.2f} {cells[0]} {cells[1]} "
             f"{r['runs_per_microbatch']:7.1f} {r['syncs_per_rank']:5d}"
         )
+    return "\n".join(lines)
+
+
+def _side_by_side(rows: list[dict[str, Any]]) -> str:
+    """Per schedule and recompute plan: deferred W against torch's retained-graph split, and compiled
+    layers against eager (both deferred W), as ratios of the slowest rank's step; ``x none``: deferred W,
+    eager, over the same without recompute (the issue's recompute targets). Each ratio twice: wall clock,
+    and the ranks' CPU time (``cpu``), which leaves out the time other processes held a rank's core, the
+    figure to trust on a loaded machine (it misses the pipeline's waits). Stored in the rows too."""
+    cell = {(r["schedule"], r["mode"]): r for r in rows}
+    lines = [
+        f"{'schedule':24} {'recompute':10} {'step s':>7} {'x none':>6} {'cpu':>5} {'torch split s':>13} "
+        f"{'deferred/torch':>14} {'cpu':>5} {'compiled s':>10} {'compiled/eager':>14} {'cpu':>5}"
+    ]
+
+    def ratio(a: dict[str, Any], b: dict[str, Any], width: int) -> str:
+        return f"{a['step_s'] / b['step_s']:{width}.2f} {a['cpu_s'] / b['cpu_s']:5.2f}"
+
+    for schedule in SCHEDULES:
+        base = cell[(schedule, "none")]
+        for plan in (m for m in MODES if " " not in m):
+            r = cell[(schedule, plan)]
+            text = f"{schedule:24} {plan:10} {r['step_s']:7.3f} {ratio(r, base, 6)}"
+            for variant, width in (("torch split", 13), ("compiled", 10)):
+                other = cell.get((schedule, f"{plan} ({variant})"))
+                if other is None:
+                    text += f" {'-':>{width}} {'-':>14} {'-':>5}"
+                    continue
+                # deferred W over torch's split; compiled over eager
+                num, den = (r, other) if variant == "torch split" else (other, r)
+                r[f"over_{variant.replace(' ', '_')}"] = num["step_s"] / den["step_s"]
+                r[f"over_{variant.replace(' ', '_')}_cpu"] = num["cpu_s"] / den["cpu_s"]
+                text += f" {other['step_s']:{width}.3f} {ratio(num, den, 14)}"
+            lines.append(text)
     return "\n".join(lines)
 
 
@@ -340,12 +382,14 @@ def main(argv: list[str] | None = None) -> None:
     from pp_offload.launch import run_on_ranks
 
     cfg = _config(args.quick)
-    began = time.perf_counter()
+    began, load_before = time.perf_counter(), os.getloadavg()
     results = run_on_ranks(_worker, 2, cfg, args.microbatches, timeout=1800, op_timeout=600)
     rows = results[0]["rows"]
     table = _table(rows)
     print(results[0]["probe"])
     print(table)
+    print()
+    print(_side_by_side(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     name = "hotpath_quick" if args.quick else "hotpath"
     meta = {
@@ -355,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": cfg,
         "microbatches": args.microbatches,
         "seconds": round(time.perf_counter() - began, 1),
+        "load_average": {"before": load_before, "after": os.getloadavg()},  # 1, 5, 15 min; 2 cores here
         "recompute_costs": results[0]["recompute_costs"],
     }
     (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")

@@ -6,8 +6,8 @@
 #
 # `quick` is the one-call session (at most 8 minutes on an H100; bench/results/gpu/README.md, "How the next
 # GPU session runs"): environment, CUDA store tests, one step per configuration under torch's sync debug
-# mode "error", then the seq-4096 replay in order of importance; each part under its own time limit, every
-# finished configuration on disk at once. `quick-last`: the replay on the last pipeline rank (4 minutes).
+# mode "error", then the seq-4096 replay in order of importance, then its compiled rows; each part under its
+# own time limit, every finished configuration on disk at once. `quick-last`: the replay on the last pipeline rank (4 minutes).
 # GPU_SESSION_CPU=1 rehearses the same path on the CPU (tiny model, two configurations run, all of them
 # checked; CUDA-only parts recorded as "skipped: no CUDA"): tests/test_gpu_session.py runs it in CI, and
 # GPU_SESSION_DRY=1 (without the CPU switch): the CUDA command lines, the bench's only checked.
@@ -45,6 +45,15 @@ QUICK_CONFIGS=(
     Interleaved1F1B/budget:auto:0.1/none ScheduleZBVZeroBubble/budget:auto:0.1/none
     ScheduleDualPipeV/budget:auto:0.1/none
 )
+# Compiled (each decoder layer compiled in place, `--compile`; issue 30): its own part after the eager replay,
+# under its own share of the time (the first row pays the cold compile), most important first: V-Half, the
+# schedule torch users compile with (Interleaved1F1B), V-ZB; without offload, then with `budget`. Each is set
+# beside the eager row of the same configuration (the replay's JSON, `--calibration`: same costs).
+COMPILED_CONFIGS=(
+    ScheduleVHalf/none/none Interleaved1F1B/none/none ScheduleVZB/none/none
+    ScheduleVHalf/budget:auto:0.1/none Interleaved1F1B/budget:auto:0.1/none ScheduleVZB/budget:auto:0.1/none
+)
+COMPILED_S="${COMPILED_S:-150}"  # the compiled part's share of QUICK_S (more if the eager replay ends early)
 # The last rank: in loop placement it holds the LM head and loss; in V placement the middle stages (rank 0
 # holds the LM head there, so `quick` already runs it).
 LAST_CONFIGS=(
@@ -57,11 +66,15 @@ if [ "${GPU_SESSION_CPU:-0}" = 1 ]; then  # the CPU rehearsal (tests/test_gpu_se
     SHAPE=(--tiny --device cpu --dtype fp32 --seq 16 --microbatches 4 --pp 2 --steps 1)
     LAST_RANK=1
     FEW=(--limit "${GPU_SESSION_CPU_CONFIGS:-2}")  # every configuration is still parsed and checked
+    # one compiled row, traced by dynamo and AOT autograd without inductor's code generation (seconds, not
+    # a minute of C++ compiling on a CPU): the bench's compile path, not inductor's kernels
+    COMPILE=(--compile-backend aot_eager --limit 1)
 else
     CUDA=1
     SHAPE=(--seq 4096 --microbatches 8 --pp 4 --steps 3)
     LAST_RANK=3
     FEW=()
+    COMPILE=()
 fi
 if [ -z "${PP_OFFLOAD_COMMIT:-}" ]; then  # as bench_gpu_replay.git_commit: a device may get no .git
     PP_OFFLOAD_COMMIT="$(git rev-parse HEAD 2>/dev/null || echo "unknown (no git; set PP_OFFLOAD_COMMIT)")"
@@ -107,7 +120,7 @@ for line in parts_path.read_text().splitlines():
 env_path = out / f"{name}_env.json"
 env = json.loads(env_path.read_text()) if env_path.exists() else {}
 results = {}
-for path in (out / f"{name}_sync.json", out / f"{name}_replay.json"):
+for path in (out / f"{name}_sync.json", out / f"{name}_replay.json", out / f"{name}_compiled.json"):
     if not path.exists():
         continue
     data = json.loads(path.read_text())
@@ -187,11 +200,22 @@ quick() {  # quick PART: `quick` (rank 0, everything) or `quick-last` (the repla
         rank=$LAST_RANK
     fi
     left=$((QUICK_S - (SECONDS - T0) - 15))  # 15 s for the summary
+    [ "$part" = quick ] && left=$((left - COMPILED_S))
     if [ "$left" -lt 60 ]; then
         skip_part replay "skipped: $left s left"
     else
         step_part replay "$left" "$PY" bench/bench_gpu_replay.py "${SHAPE[@]}" --rank "$rank" \
             --budget-s $((left - 25)) ${FEW[@]+"${FEW[@]}"} --out "$OUT" --name "${name}_replay" --configs "${configs[@]}"
+    fi
+    if [ "$part" = quick ]; then
+        left=$((QUICK_S - (SECONDS - T0) - 15))
+        if [ "$left" -lt 60 ]; then
+            skip_part replay-compiled "skipped: $left s left"
+        else
+            step_part replay-compiled "$left" "$PY" bench/bench_gpu_replay.py "${SHAPE[@]}" --rank "$rank" \
+                --compile ${COMPILE[@]+"${COMPILE[@]}"} --calibration "$OUT/${name}_replay.json" \
+                --budget-s $((left - 25)) --out "$OUT" --name "${name}_compiled" --configs "${COMPILED_CONFIGS[@]}"
+        fi
     fi
     summary "$name" 2>&1 | tee -a "$LOG"
     rc=${PIPESTATUS[0]}

@@ -10,7 +10,7 @@ driven here with a step that raises what torch's sync debug mode raises.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -43,6 +43,17 @@ ISSUE_CONFIGS = {
     ("ScheduleVHalf", "none", "selective+once"),
     ("ScheduleVHalf", "none", "full+once"),
 }
+
+# issue 30's compiled rows, most important first (the first one runs in the CPU rehearsal)
+COMPILED_CONFIGS = [
+    ("ScheduleVHalf", "none", "none"),
+    ("Interleaved1F1B", "none", "none"),
+    ("ScheduleVZB", "none", "none"),
+    ("ScheduleVHalf", "budget:auto:0.1", "none"),
+    ("Interleaved1F1B", "budget:auto:0.1", "none"),
+    ("ScheduleVZB", "budget:auto:0.1", "none"),
+]
+PARTS = ["nvidia-smi", "env", "store", "sync-check", "replay", "replay-compiled"]
 
 
 def _session(part: str, out: Path, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -78,15 +89,19 @@ def test_quick_session_rehearsed_on_cpu(tmp_path: Path) -> None:
     assert summary["meta"]["torch"] == torch.__version__ and summary["meta"]["device"]
     assert summary["env"]["git_commit"] == "rehearsal-commit"
     parts = {p["part"]: p for p in summary["parts"]}
-    assert list(parts) == ["nvidia-smi", "env", "store", "sync-check", "replay"]
+    assert list(parts) == PARTS
     assert parts["store"]["status"] == parts["nvidia-smi"]["status"] == "skipped: no CUDA"
-    for name in ("env", "sync-check", "replay"):
+    for name in ("env", "sync-check", "replay", "replay-compiled"):
         assert parts[name]["status"] == "ok" and 0 < parts[name]["limit_s"] <= 450, parts[name]
-    # the replay's limit is what is left of the part's 450 s (an 8-minute call with room to spare)
-    before = sum(p["seconds"] for p in summary["parts"][:-1])
-    assert 400 <= before + parts["replay"]["limit_s"] <= 450 - 15 + len(summary["parts"])
+    # the compiled part's limit is what is left of the session's 450 s (an 8-minute call with room to
+    # spare); the eager replay's leaves it its 150 s
+    before = sum(p["seconds"] for p in summary["parts"][:-2])
+    assert 400 - 150 <= before + parts["replay"]["limit_s"] <= 450 - 15 - 150 + len(PARTS)
+    before += parts["replay"]["seconds"]
+    assert 400 <= before + parts["replay-compiled"]["limit_s"] <= 450 - 15 + len(PARTS)
     assert "--sync-check" in parts["sync-check"]["command"]
     assert "--rank 0" in parts["replay"]["command"] and "--budget-s" in parts["replay"]["command"]
+    assert "--compile" not in parts["replay"]["command"]
 
     sync = json.loads((tmp_path / "quick_sync.json").read_text())
     _check_meta(sync["meta"], mode="sync_check", rank=0)
@@ -112,6 +127,20 @@ def test_quick_session_rehearsed_on_cpu(tmp_path: Path) -> None:
     assert all("skipped" in r for r in replay["records"][2:])
     assert (tmp_path / "quick_replay.png").stat().st_size > 0
     assert "== replay: ok" in (tmp_path / "quick.log").read_text()
+
+    compiled = json.loads((tmp_path / "quick_compiled.json").read_text())
+    _check_meta(compiled["meta"], mode="replay", rank=0)
+    assert compiled["meta"]["compile"] == {"backend": "aot_eager"}
+    # the eager replay's calibration: the compiled rows are priced with the same costs
+    assert compiled["meta"]["calibration_from"].endswith("quick_replay.json")
+    assert compiled["meta"]["calibrated_mfu"] == replay["meta"]["calibrated_mfu"]
+    assert _configs(compiled["records"]) == COMPILED_CONFIGS
+    first = compiled["records"][0]
+    assert first["compiled"] is True and first["paced_step_s"] > 0 and first["outputs_kept"] is False
+    assert first["compile"]["graphs"] > 0 and first["compile"]["graphs_after_first_step"] == 0
+    assert all(r["skipped"].startswith("skipped: --limit") for r in compiled["records"][1:])
+    assert summary["results"]["quick_compiled.json"]["done"] == 1
+    assert "compiled / eager" in (tmp_path / "quick.log").read_text()
     # at most 8 files come back from a device call
     assert len([p for p in tmp_path.iterdir() if p.is_file()]) <= 8
 
@@ -122,14 +151,16 @@ def test_quick_session_dry_run_checks_the_cuda_command_lines(tmp_path: Path) -> 
     proc = _session("quick", tmp_path, GPU_SESSION_CPU="0", GPU_SESSION_DRY="1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     parts = {p["part"]: p for p in json.loads((tmp_path / "quick.json").read_text())["parts"]}
-    assert list(parts) == ["nvidia-smi", "env", "store", "sync-check", "replay"]
+    assert list(parts) == PARTS
     assert [parts[n]["status"] for n in ("nvidia-smi", "env", "store")] == ["dry-run"] * 3
     assert "tests/test_store.py -k cuda" in parts["store"]["command"]
-    for name in ("sync-check", "replay"):
+    for name in ("sync-check", "replay", "replay-compiled"):
         assert parts[name]["status"] == "ok"
         assert "--seq 4096 --microbatches 8 --pp 4 --steps 3" in parts[name]["command"]
         assert "--tiny" not in parts[name]["command"] and "--limit" not in parts[name]["command"]
-    assert "16 configuration(s) checked" in proc.stdout
+    assert "--compile " in parts["replay-compiled"]["command"]
+    assert "--compile-backend" not in parts["replay-compiled"]["command"]  # inductor on the GPU
+    assert "16 configuration(s) checked" in proc.stdout and "6 configuration(s) checked" in proc.stdout
 
 
 def test_quick_last_runs_the_rank_with_the_lm_head(tmp_path: Path) -> None:
@@ -160,12 +191,10 @@ def test_a_bad_configuration_is_refused_before_anything_runs(tmp_path: Path) -> 
     assert not list(tmp_path.iterdir())  # refused before measuring or writing
 
 
-def _bench(monkeypatch: pytest.MonkeyPatch):
-    spec = importlib.util.spec_from_file_location("bench_gpu_replay", ROOT / "bench" / "bench_gpu_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_gpu_replay", module)  # its dataclasses look themselves up
-    spec.loader.exec_module(module)
-    return module
+def _measure(monkeypatch: pytest.MonkeyPatch):
+    """The replay's `gpu_replay.measure` module, imported as ``bench/bench_gpu_replay.py`` imports it."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    return importlib.import_module("gpu_replay.measure")
 
 
 def _offending_call() -> None:
@@ -180,11 +209,11 @@ def _offending_call() -> None:
 def test_sync_check_names_the_offending_call(monkeypatch: pytest.MonkeyPatch, step, status: str) -> None:
     """The CUDA branch of `sync_check` with torch's debug-mode switch recorded: the mode is always reset,
     a sync error is "failed" with the call site, any other exception "error"."""
-    bench = _bench(monkeypatch)
+    bench = _measure(monkeypatch)
     modes: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
-    monkeypatch.setattr(bench, "_sync", lambda device: None)
-    monkeypatch.setattr(bench, "_free", lambda device: None)
+    monkeypatch.setattr(bench, "synchronize", lambda device: None)
+    monkeypatch.setattr(bench, "free", lambda device: None)
     schedule = SimpleNamespace(step=lambda *a, **k: step())
     result = bench.sync_check(schedule, (), {}, torch.device("cuda", 0))
     assert result["status"] == status

@@ -321,7 +321,7 @@ def test_cache_is_freed_with_the_graph_after_full_and_split_backward(monkeypatch
 
 def test_trailing_matmul_is_not_kept_and_is_rerun_if_a_recomputation_reaches_it() -> None:
     """A block's last Linear (only non-saving ops after it) is not kept: a recomputation stops before it.
-    With early stop off, the recomputation reaches it and runs it again: the same gradients."""
+    With early stop off, the recomputation reaches it and gets zeros in its place: the same gradients."""
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
     from pp_offload.runtime.recompute import NON_SAVING_OPS
@@ -460,3 +460,35 @@ def test_selective_recompute_reruns_no_matmul_or_attention_in_either_backward_pa
     assert sum(counts["none"][1].values()) > 0  # the weight-gradient pass runs matmuls at all
     assert counts["selective"] == counts["none"] == counts["mlp"]
     assert sum(counts["full"][1].values()) > sum(counts["none"][1].values())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_deferred_w_recomputation_runs_no_trailing_matmul(family: str) -> None:
+    """Under deferred W (`pp_offload.runtime.deferred_w`) a linear saves its inputs after computing its
+    output, so a recomputation reaches the layer's trailing matmul (Llama's down projection, GPT-2's MLP
+    output projection) although nothing after it saves a tensor: it gets zeros of that output's shape
+    instead of running again, and the gradients stay the plain model's. Counted: the backward (I, with its
+    recomputation) runs exactly the matmuls it runs without recompute."""
+    import types
+
+    from pp_offload.runtime.deferred_w import apply_queued_weight_grads, collecting, defer_weight_grads
+
+    matmuls = ("mm", "addmm", "bmm", "linear_dw_queued")
+
+    def backward(mode: str) -> tuple[int, list[torch.Tensor]]:
+        model, layers, batch = tiny_hf(family)
+        if mode != "none":
+            activation_checkpointing({0: model}, layers=lambda _: layers, mode=mode)
+        defer_weight_grads([types.SimpleNamespace(submod=model, backward_maybe_with_nosync=lambda: None)])
+        loss = model(**batch).last_hidden_state.square().mean()
+        with _CountOps() as ops, collecting():
+            loss.backward()
+        apply_queued_weight_grads(model.parameters())
+        return sum(ops.counts.get(op, 0) for op in matmuls), [p.grad for p in model.parameters()]
+
+    plain_matmuls, plain = backward("none")
+    for mode in ("selective", "mlp"):
+        counted, grads = backward(mode)
+        assert counted == plain_matmuls, mode
+        for g, w in zip(grads, plain, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
