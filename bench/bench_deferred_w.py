@@ -8,8 +8,7 @@ run interleaved, ``--rounds`` times each, and the fastest of each is kept: what 
 without the pipeline around it.
 
 Per recompute mode (none, full, selective) and split (``--compiled``: also deferred W with each decoder
-layer compiled in place, `pp_offload.runtime.compile.compile_layers`, inductor; none and full only, as
-``train.compile`` refuses selective recompute):
+layer compiled in place, `pp_offload.runtime.compile.compile_layers`, inductor):
 - ``F``, ``I``, ``W`` ms: the forward, torch's ``stage_backward_input`` / deferred W's one backward, and
   torch's ``stage_backward_weight`` / the queued GEMMs (`pp_offload.runtime.deferred_w`);
 - ``held MiB``: bytes alive between I and W, by saved-tensor accounting: every distinct storage autograd

@@ -91,11 +91,9 @@ def validate_configs(texts: list[str], *, compiled: bool = False) -> list[Config
     ValueError naming every bad configuration."""
     from pp_offload.order.offload import resolve_offload
     from pp_offload.recompute_plan import parse_recompute
-    from pp_offload.runtime import compile as regional
     from pp_offload.runtime.catalog import schedule_info
+    from pp_offload.runtime.compile import check_recompute_compiles  # the recipe's refusal (+once)
 
-    # the recipe's own refusal of a recompute plan under compile (gone once every plan compiles)
-    check_recompute_compiles = getattr(regional, "check_recompute_compiles", lambda recompute: None)
     configs, bad = [], []
     for text in texts:
         try:
