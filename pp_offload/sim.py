@@ -387,11 +387,14 @@ def _check_transfers(rank: int, passes, transfers) -> None:
 
 
 def _simulate_with_transfers(
-    ranks, passes, found, deps, duration, costs, scale, rank_of_stage, lanes, layered
+    ranks, passes, found, deps, duration, costs, scale, rank_of_stage, lanes, layered, *, check=True
 ):
-    """`simulate`'s replay for orders with OFFLOAD/RELOAD: the same compute model plus copy lanes."""
-    for r in ranks:
-        _check_transfers(r, passes[r], found[r])
+    """`simulate`'s replay for orders with OFFLOAD/RELOAD: the same compute model plus copy lanes.
+    ``check=False``: the transfers are known to be well placed (`_check_transfers` would pass), as
+    `pp_offload.order.offload_replay` builds them."""
+    if check:
+        for r in ranks:
+            _check_transfers(r, passes[r], found[r])
     copy = costs.transfer * scale
     end: dict[tuple[int, str, int], float] = {}
     producer_rank: dict[tuple[int, str, int], int] = {}
@@ -411,13 +414,16 @@ def _simulate_with_transfers(
     shares: dict[tuple[int, int], tuple[float, ...]] = {}  # layered: each unit's share of the passes
     f_span: dict[tuple[int, int], tuple[float, float]] = {}
     layer_transfers: dict[int, list] = {r: [] for r in ranks}
+    copies: dict[tuple[int, int], list[float]] = {}  # layered: each unit's copy time, per chunk
 
     def issue_layered(
         r: int, action, kind: str, key: tuple[int, int], spec: LayeredChunk, now: float
     ) -> None:
         free, unit = lane[r], scale / spec.layers
-        shares.setdefault(key, spec.shares())
-        c = [spec.copy_time(i, copy / spec.layers) for i in range(spec.layers)]
+        c = copies.get(key)
+        if c is None:
+            shares[key] = spec.shares()
+            c = copies[key] = [spec.copy_time(i, copy / spec.layers) for i in range(spec.layers)]
         if spec.moved == 0:
             transfers[r].append((action, now, now))
             if kind == OFFLOAD:
@@ -489,21 +495,28 @@ def _simulate_with_transfers(
         tpos[r] = i
 
     remaining = sum(len(seq) for seq in passes.values())
+    comm = costs.comm
     while remaining:
         progressed = False
         for r in ranks:
-            seq = passes[r]
+            seq, todo, rank_deps, spans, line = passes[r], found[r], deps[r], duration[r], timeline[r]
             while pos[r] < len(seq):
-                issue(r)
-                stage, kind, mb = seq[pos[r]]
-                dep = deps[r][pos[r]]
+                p = pos[r]
+                t_next = tpos[r]
+                if t_next < len(todo) and todo[t_next][0] == p:
+                    issue(r)
+                pass_ = seq[p]
+                stage, kind, mb = pass_
+                dep = rank_deps[p]
                 ready = clock[r]
                 if dep is not None:
-                    if dep not in end:
+                    done = end.get(dep)
+                    if done is None:
                         break
-                    ready = max(ready, end[dep] + (costs.comm if producer_rank[dep] != r else 0.0))
+                    ready = max(ready, done + (comm if producer_rank[dep] != r else 0.0))
                 start = ready
                 finish = None
+                span = spans[p]
                 if kind != F:
                     ready_layers = layer_ready.get((stage, mb))
                     if ready_layers is not None:  # layer by layer, last layer first
@@ -511,24 +524,24 @@ def _simulate_with_transfers(
                         share = shares[(stage, mb)]
                         t = ready
                         for layer in range(n - 1, -1, -1):
-                            t = max(t, ready_layers[layer]) + share[layer] * duration[r][pos[r]]
+                            t = max(t, ready_layers[layer]) + share[layer] * span
                         finish = t
-                        wait[r] += finish - (ready + duration[r][pos[r]])
+                        wait[r] += finish - (ready + span)
                     else:
                         reloaded = reload_end.get((stage, mb))
                         if reloaded is not None and reloaded > ready:
                             start = reloaded
                             wait[r] += reloaded - ready
                 if finish is None:
-                    finish = start + duration[r][pos[r]]
-                key = (stage, I if kind == B else kind, mb)
+                    finish = start + span
+                key = (stage, I, mb) if kind == B else pass_
                 end[key] = finish
                 producer_rank[key] = r
-                timeline[r].append(((stage, kind, mb), start, finish))
+                line.append((pass_, start, finish))
                 if kind == F:
                     f_span[(stage, mb)] = (start, finish)
                 clock[r] = finish
-                pos[r] += 1
+                pos[r] = p + 1
                 remaining -= 1
                 progressed = True
             if pos[r] == len(seq):
