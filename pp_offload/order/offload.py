@@ -334,7 +334,8 @@ def _plan_budget(
             for _ in range(_REFINE_ROUNDS):
                 if not _move_late_layered(result, reloads, policy.reload_margin):
                     break
-                result = replays.run(reloads, moved)
+                result = replays.rerun(reloads)
+        result = replays.kept(result)
         offloaded = {r: sorted(reloads[r], key=lambda k: (-moved[k].moved, k)) for r in compute}
         peaks = dict(result.peak_memory) if peaks_of is None else dict(peaks_of(result, moved))
         memo[key] = found = (snapshot(reloads), offloaded, result, moved, peaks)

@@ -33,7 +33,7 @@ from pp_offload.sim import (
     SimResult,
     _durations,
     _flatten,
-    _simulate_with_transfers,
+    _TransferReplay,
     dependency,
     simulate,
 )
@@ -76,29 +76,42 @@ class PlacementReplay:
         self.rank_of_stage = {s: r for r in self.ranks for s, _, _ in self.passes[r]}
         self.deps = {r: [dependency(s, k, j, num_stages) for s, k, j in self.passes[r]] for r in self.ranks}
         self.duration = _durations(self.passes, costs, self.scale, num_stages)
+        self.engine = _TransferReplay(
+            self.ranks, self.passes, self.deps, self.duration, costs, self.scale, self.rank_of_stage, lanes
+        )
+        self.layered: Mapping = {}
+        self.resumable = False
 
     def run(self, reloads: Mapping[int, Mapping[tuple[int, int], Any]], layered: Mapping) -> SimResult:
         """``simulate(_insert(compute, reloads), costs, copy_lanes=lanes, layered=layered)``, the same
-        result for less work (the module doc)."""
+        result for less work (the module doc), its memory curves and peaks left to `kept`."""
         STATS["replays"] += 1
+        self.layered, self.resumable = layered, False
         if _reference:
             return simulate(self.order(reloads), self.costs, copy_lanes=self.lanes, layered=layered)
         found = {r: self._transfers(r, reloads.get(r, {})) for r in self.ranks}
         if not any(found.values()):  # nothing placed: the plain replay, as `simulate` takes it
             return simulate(self.compute, self.costs, copy_lanes=self.lanes, layered=layered)
-        return _simulate_with_transfers(
-            self.ranks,
-            self.passes,
-            found,
-            self.deps,
-            self.duration,
-            self.costs,
-            self.scale,
-            self.rank_of_stage,
-            self.lanes,
-            dict(layered),
-            check=False,  # `_transfers` places every copy between its F and its backward (module doc)
-        )
+        self.resumable = True
+        # `_transfers` places every copy between its F and its backward: `simulate`'s check would pass
+        return self.engine.run(found, dict(layered), memory=False)
+
+    def rerun(self, reloads: Mapping[int, Mapping[tuple[int, int], Any]]) -> SimResult:
+        """`run` with the last run's ``layered`` and a placement that differs from the last one in a few
+        RELOADs (the search's refinement rounds): the same result, the ranks replayed only from where the
+        placements differ (`pp_offload.sim._TransferReplay.rerun`)."""
+        found = None if _reference else {r: self._transfers(r, reloads.get(r, {})) for r in self.ranks}
+        if found is None or not self.resumable or not any(found.values()):
+            return self.run(reloads, self.layered)
+        STATS["replays"] += 1
+        return self.engine.rerun(found, memory=False)
+
+    def kept(self, result: SimResult) -> SimResult:
+        """``result``, the latest replay, with its memory curves and peaks: `run` and `rerun` leave them out
+        (the search replays a trial up to 33 times and keeps the last)."""
+        if self.resumable and not _reference and not result.peak_memory:
+            self.engine.add_memory(result)
+        return result
 
     def _transfers(self, rank: int, chunks: Mapping[tuple[int, int], Any]) -> list[tuple]:
         """The rank's OFFLOAD/RELOAD actions as `pp_offload.sim._flatten` collects them from `_insert`'s
