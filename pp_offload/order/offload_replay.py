@@ -4,14 +4,18 @@ Why this exists: budget offload (`pp_offload.order.offload`, ``mode="budget"``) 
 chunk moves by trial: every trial places its RELOADs, replays the order with the copy lanes, moves the
 reloads that end late one pass earlier and replays again (up to ``_REFINE_ROUNDS`` times). The planner's
 README example (Llama-3-8B, seq 8192, pp 4, 16 microbatches) ran ~4,500 trials and ~40,000 replays, 93% of
-its time. Two things here cut that work without changing any decision:
+its time. Three things here cut that work without changing any decision:
 
 - `PlacementReplay`: what every replay of one compute order shares (its passes, their dependencies and
   durations) is prepared once, and a placement's OFFLOAD/RELOAD positions are handed to the simulator as
   they are, instead of being written into a new order (`_insert`) that the simulator then reads back. The
-  order with its copies is written once, for the placement kept (`PlacementReplay.order`). The replay is
-  the simulator's own (`pp_offload.sim`), so every time and peak is the one `simulate` gives the written
-  order (tests/test_offload_replay.py checks it on placements of every kind).
+  order with its copies is written once, for the placement kept (`PlacementReplay.order`), and memory
+  curves are computed for the replay a trial keeps only (`PlacementReplay.kept`).
+- `PlacementReplay.rerun`: a refinement round moves a few RELOADs; each rank is replayed again only from
+  its first moved transfer or its first pass whose dependency on another rank now ends at another time
+  (`pp_offload.sim._TransferReplay.rerun`). Every replay is the simulator's own, so every time and peak
+  is the one `simulate` gives the written order (tests/test_offload_replay.py checks each replay, reruns
+  included, on placements of every kind).
 - `trial_memo`: a trial's outcome depends only on the order, the costs, the policy's placement fields, the
   layer inputs, the peak function, whether chunks are dropped after I, and how many layers each chunk
   moves. The planner asks for the same trials several times (``budget``, then ``budget:auto:0.1`` whose
@@ -25,6 +29,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
+from operator import itemgetter
 from typing import Any
 
 from pp_offload.order.actions import OFFLOAD, RELOAD, Action, Costs
@@ -41,6 +46,7 @@ from pp_offload.sim import (
 __all__ = ["STATS", "PlacementReplay", "reference_replays", "trial_memo"]
 
 _MEMO_ORDERS = 4  # orders whose trials are kept: the policies of one schedule ask in a row
+_POSITION = itemgetter(0, 1, 2)  # a transfer's place in the order: position, OFFLOAD first, backward
 STATS: Counter[str] = Counter()
 """Work done in this process: ``replays`` (of placements), ``trials`` (run) and ``repeats`` (answered
 by `trial_memo`); bench/bench_plan_speed.py prints them."""
@@ -81,6 +87,7 @@ class PlacementReplay:
         )
         self.layered: Mapping = {}
         self.resumable = False
+        self.transfers_of: dict[tuple[int, int], tuple] = {}  # (stage, microbatch) -> OFFLOAD, RELOAD
 
     def run(self, reloads: Mapping[int, Mapping[tuple[int, int], Any]], layered: Mapping) -> SimResult:
         """``simulate(_insert(compute, reloads), costs, copy_lanes=lanes, layered=layered)``, the same
@@ -121,19 +128,21 @@ class PlacementReplay:
         if not chunks:
             return []
         events = []
-        compute = self.compute[rank]
+        append = events.append
+        made = self.transfers_of
         for c in chunks.values():
-            stage, mb = c.key
-            events.append((c.f_index + 1, 0, 0, Action(stage, OFFLOAD, mb)))
-            events.append((c.slot, 1, c.back_index, Action(stage, RELOAD, mb)))
-            if c.w_slot >= 0:  # dropped after its I, reloaded before its W
-                i_pass = compute[c.i_index]
-                events.append(
-                    (c.i_index + 1, 0, 0, Action(i_pass.stage_index, OFFLOAD, i_pass.microbatch_index))
-                )
-                events.append((c.w_slot, 1, c.w_index, Action(stage, RELOAD, mb)))
-        events.sort(key=_position)
-        return [(at, a, a.computation_type, a.stage_index, a.microbatch_index) for at, _, _, a in events]
+            pair = made.get(c.key)
+            if pair is None:  # the chunk's OFFLOAD and RELOAD as the simulator reads them, made once
+                stage, mb = c.key
+                pair = made[c.key] = tuple((Action(stage, k, mb), k, stage, mb) for k in (OFFLOAD, RELOAD))
+            offload, reload = pair
+            append((c.f_index + 1, 0, 0, offload))
+            append((c.slot, 1, c.back_index, reload))
+            if c.w_slot >= 0:  # dropped after its I (the OFFLOAD after the I), reloaded before its W
+                append((c.i_index + 1, 0, 0, offload))
+                append((c.w_slot, 1, c.w_index, reload))
+        events.sort(key=_POSITION)
+        return [(at, *copy) for at, _, _, copy in events]
 
     def order(self, reloads: Mapping[int, Mapping[tuple[int, int], Any]]) -> dict[int, list[Action]]:
         """The compute order with the placement's OFFLOAD/RELOAD actions written in (`_insert`)."""
@@ -142,16 +151,19 @@ class PlacementReplay:
         return _insert(self.compute, reloads)
 
 
-def _position(event: tuple) -> tuple:
-    return event[:3]
-
-
 def snapshot(reloads: Mapping[int, Mapping[tuple[int, int], Any]]) -> dict[int, dict[tuple[int, int], Any]]:
     """A copy of a placement's chunks, to write its order later: the search moves the chunks' slots on."""
     return {r: {k: replace(c) for k, c in chunks.items()} for r, chunks in reloads.items()}
 
 
 _MEMO: OrderedDict[Any, dict] = OrderedDict()
+
+
+class _Forgetful(dict):
+    """A memo that remembers nothing (`reference_replays`: every trial is run, repeats included)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
 
 
 def trial_memo(
@@ -165,7 +177,7 @@ def trial_memo(
     (whether chunks are dropped after I, and the layers each chunk moves); empty where the inputs cannot be
     told apart by value (a peak function that is not a method of a hashable object or a plain function)."""
     if _reference:
-        return {}
+        return _Forgetful()
     owner = getattr(peaks_of, "__self__", None)
     peaks_key = (owner, getattr(peaks_of, "__func__", None)) if owner is not None else peaks_of
     # what a trial depends on in the policy: where its reloads go, not the slowdown it is held to
