@@ -407,12 +407,13 @@ class _TransferReplay:
     set of transfers, `rerun` with another (the same ``layered``) from where they first change.
 
     Why resumable: budget offload's search (`pp_offload.order.offload`) replays a placement, moves the
-    RELOADs that end late one pass earlier and replays again, up to 32 times per trial, and most of each
+    RELOADs that end late one pass earlier and replays again, up to 32 times per trial, and much of each
     rank's replay is the last one's. A rank's replay depends only on its own transfers and on the end times
-    of its passes' dependencies on other ranks, so a rank is replayed again from its first changed transfer
-    or from its first pass that depends on a pass of another rank replayed again (a fixed point over the
-    ranks); what comes before is restored from what the last replay recorded (lane times, list lengths,
-    the chunks' copy ends it overwrote, the reload wait so far): the result is exactly a fresh replay's."""
+    of its passes' dependencies on other ranks, so each rank first checks its passes against the last
+    replay (`_check`) and is replayed live only from its first changed transfer or its first pass whose
+    dependency on another rank now ends at another time; its state there is restored from what the last
+    replay recorded (lane times, list lengths, the chunks' copy ends it overwrote, the reload wait so far),
+    so the result is exactly a fresh replay's."""
 
     def __init__(self, ranks, passes, deps, duration, costs, scale, rank_of_stage, lanes) -> None:
         self.ranks, self.passes, self.deps, self.duration = ranks, passes, deps, duration
@@ -420,7 +421,7 @@ class _TransferReplay:
         self.copy = costs.transfer * scale
         self.h2d = 0 if lanes == "shared" else 1
         self.found: dict[int, list] = {}
-        self.remote: dict[int, list[tuple[int, int, int]]] = {}  # for `rerun`, built once
+        self.remote: dict[int, list[int]] = {}  # for `rerun`, built once (`_prepare`)
 
     def run(
         self, found: dict[int, list], layered: Mapping[tuple[int, int], LayeredChunk], *, memory: bool = True
@@ -469,7 +470,7 @@ class _TransferReplay:
         self.layer_transfers, self.wait = dict(self.layer_transfers), dict(self.wait)
         # end times are published again as ranks check or replay their passes (`_check`, `_advance`)
         self.old_end, self.end = self.end, {}
-        self._remote()
+        self._prepare()
         self.checked = {r: 0 for r in self.ranks}  # per rank, its remote dependencies checked so far
         for r in self.ranks:  # every rank checks its passes against the last replay, from the first
             self.mode[r], self.pos[r] = "check", 0
@@ -484,7 +485,7 @@ class _TransferReplay:
         end, old_end = self.end, self.old_end
         i, start = self.checked[r], self.pos[r]
         while True:
-            if i >= len(remote) or remote[i][0] >= own:
+            if i >= len(remote) or remote[i] >= own:
                 for key in keys[start : min(own, n)]:
                     end[key] = old_end[key]
                 if own > n:  # the same as the last replay to its end
@@ -492,7 +493,7 @@ class _TransferReplay:
                 else:
                     self._restore(r, own)
                 return True
-            p, _, _ = remote[i]
+            p = remote[i]
             dep = self.deps[r][p]
             now = end.get(dep)
             if now is None or now != old_end[dep]:
@@ -533,23 +534,17 @@ class _TransferReplay:
         self.clock[r] = self.timeline[r][q - 1][2] if q else 0.0
         self.pos[r], self.tpos[r], self.mode[r] = q, t, "live"
 
-    def _remote(self) -> None:
-        """Per rank, its passes that depend on a pass of another rank: (position, that rank, its position)."""
+    def _prepare(self) -> None:
+        """For `rerun`: per rank, the key each pass's end time is published under and the positions of its
+        passes that depend on a pass of another rank."""
         if not self.remote:
             self.keys = {
                 s: [(stage, I, mb) if kind == B else (stage, kind, mb) for stage, kind, mb in self.passes[s]]
                 for s in self.ranks
             }
-            where = {}
-            for s in self.ranks:
-                for p, (stage, kind, mb) in enumerate(self.passes[s]):
-                    where[(stage, I, mb) if kind == B else (stage, kind, mb)] = (s, p)
+            rank_of = {key: s for s in self.ranks for key in self.keys[s]}
             self.remote = {
-                s: [
-                    (p, *where[dep])
-                    for p, dep in enumerate(self.deps[s])
-                    if dep is not None and where[dep][0] != s
-                ]
+                s: [p for p, dep in enumerate(self.deps[s]) if dep is not None and rank_of[dep] != s]
                 for s in self.ranks
             }
 
