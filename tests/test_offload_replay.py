@@ -124,3 +124,34 @@ def test_repeated_trials_are_answered_once_and_plans_stay_apart() -> None:
     with reference_replays():
         loose = plan_offload(order, COSTS, "budget:auto:0.1", layers=4)
     assert plan_offload(order, COSTS, "budget:auto:0.1", layers=4).order == loose.order
+
+
+def _without_clock(data):
+    if isinstance(data, dict):
+        return {k: _without_clock(v) for k, v in data.items() if k != "order_seconds"}
+    if isinstance(data, list):
+        return [_without_clock(v) for v in data]
+    return data
+
+
+def test_plan_in_worker_processes_is_the_one_process_plan() -> None:
+    """The planner's worker pool, shared by every recompute mode (`pp_offload.plan.sweep`), and the budget
+    memo in each worker give the plan one process gives."""
+    from pp_offload.plan import plan
+
+    kw = {
+        "seq_len": 512,
+        "microbatch_size": 1,
+        "num_microbatches": 4,
+        "pp": 2,
+        "schedules": ["ScheduleVHalf", "ScheduleZBVZeroBubble", "Schedule1F1B"],
+        "offload": ["none", "budget", "budget:auto:0.1"],
+        "recompute": ["none", "selective"],
+        "gpu_memory_gib": 40.0,
+        "suggest": False,
+        "evaluate_dominated": True,
+    }
+    one = plan("llama-3.2-1b", jobs=1, **kw)
+    two = plan("llama-3.2-1b", jobs=2, **kw)
+    assert _without_clock(two.to_dict()) == _without_clock(one.to_dict())
+    assert any(c.offload.startswith("budget") and c.evaluated for c in one.candidates)
