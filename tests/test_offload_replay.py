@@ -126,6 +126,22 @@ def test_repeated_trials_are_answered_once_and_plans_stay_apart() -> None:
     assert plan_offload(order, COSTS, "budget:auto:0.1", layers=4).order == loose.order
 
 
+def test_memo_keeps_a_bounded_number_of_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trials beyond the memo's budget of passes are run again, and plan as before."""
+    from pp_offload.order import offload_replay
+
+    order = v_zb_order(2, 4, COSTS)
+    passes = sum(len(actions) for actions in order.values())
+    monkeypatch.setattr(offload_replay, "_MEMO_PASSES", 3 * passes)
+    offload_replay._MEMO.clear()
+    first = plan_offload(order, COSTS, "budget", layers=4)
+    assert sum(len(m) for m in offload_replay._MEMO.values()) == 3
+    STATS.clear()
+    again = plan_offload(order, COSTS, "budget", layers=4)
+    assert STATS["repeats"] > 0 and STATS["trials"] > 0
+    assert again.order == first.order and again.layered == first.layered
+
+
 def _without_clock(data):
     if isinstance(data, dict):
         return {k: _without_clock(v) for k, v in data.items() if k != "order_seconds"}

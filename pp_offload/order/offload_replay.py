@@ -156,7 +156,30 @@ def snapshot(reloads: Mapping[int, Mapping[tuple[int, int], Any]]) -> dict[int, 
     return {r: {k: replace(c) for k, c in chunks.items()} for r, chunks in reloads.items()}
 
 
-_MEMO: OrderedDict[Any, dict] = OrderedDict()
+_MEMO_PASSES = 1_000_000
+"""Compute passes of the trials' replays the memo keeps, all orders together (each kept trial holds its
+replay's timeline and copies): ~100 MB at most. The README example keeps ~300 trials of ~400 passes; a
+pp 16, m 256 order (~25,000 passes) keeps 40."""
+
+
+class _Memo(dict):
+    """One order's trials (`trial_memo`), each counted as its order's passes against ``_MEMO_PASSES``: older
+    orders' trials make room, and a trial that does not fit is not kept (it is run again if asked)."""
+
+    def __init__(self, passes: int) -> None:
+        super().__init__()
+        self.passes = passes
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        while sum(len(m) * m.passes for m in _MEMO.values()) + self.passes > _MEMO_PASSES:
+            oldest = next(iter(_MEMO.values()), None)
+            if oldest is None or oldest is self:
+                return
+            _MEMO.popitem(last=False)
+        super().__setitem__(key, value)
+
+
+_MEMO: OrderedDict[Any, _Memo] = OrderedDict()
 
 
 class _Forgetful(dict):
@@ -189,7 +212,7 @@ def trial_memo(
         return {}
     memo = _MEMO.get(key)
     if memo is None:
-        memo = _MEMO[key] = {}
+        memo = _MEMO[key] = _Memo(sum(len(a) for a in compute.values()))
         while len(_MEMO) > _MEMO_ORDERS:
             _MEMO.popitem(last=False)
     _MEMO.move_to_end(key)
