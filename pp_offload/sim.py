@@ -387,39 +387,182 @@ def _check_transfers(rank: int, passes, transfers) -> None:
 
 
 def _simulate_with_transfers(
-    ranks, passes, found, deps, duration, costs, scale, rank_of_stage, lanes, layered
+    ranks, passes, found, deps, duration, costs, scale, rank_of_stage, lanes, layered, *, check=True
 ):
-    """`simulate`'s replay for orders with OFFLOAD/RELOAD: the same compute model plus copy lanes."""
-    for r in ranks:
-        _check_transfers(r, passes[r], found[r])
-    copy = costs.transfer * scale
-    end: dict[tuple[int, str, int], float] = {}
-    producer_rank: dict[tuple[int, str, int], int] = {}
-    timeline: dict[int, list] = {r: [] for r in ranks}
-    transfers: dict[int, list] = {r: [] for r in ranks}
-    wait = {r: 0.0 for r in ranks}
-    extra: dict[int, list[tuple[float, float]]] = {r: [] for r in ranks}
-    clock = {r: 0.0 for r in ranks}
-    pos = {r: 0 for r in ranks}
-    tpos = {r: 0 for r in ranks}
-    # lane[r] = [device->host free at, host->device free at]; a shared lane uses index 0 for both
-    lane = {r: [0.0, 0.0] for r in ranks}
-    h2d = 0 if lanes == "shared" else 1
-    offload_end: dict[tuple[int, int], float] = {}
-    reload_end: dict[tuple[int, int], float] = {}
-    layer_ready: dict[tuple[int, int], list[float]] = {}  # layered: per layer, when its reload ends
-    shares: dict[tuple[int, int], tuple[float, ...]] = {}  # layered: each unit's share of the passes
-    f_span: dict[tuple[int, int], tuple[float, float]] = {}
-    layer_transfers: dict[int, list] = {r: [] for r in ranks}
+    """`simulate`'s replay for orders with OFFLOAD/RELOAD: the same compute model plus copy lanes.
+    ``check=False``: the transfers are known to be well placed (`_check_transfers` would pass), as
+    `pp_offload.order.offload_replay` builds them."""
+    if check:
+        for r in ranks:
+            _check_transfers(r, passes[r], found[r])
+    replay = _TransferReplay(ranks, passes, deps, duration, costs, scale, rank_of_stage, lanes)
+    return replay.run(found, layered)
 
-    def issue_layered(
-        r: int, action, kind: str, key: tuple[int, int], spec: LayeredChunk, now: float
-    ) -> None:
-        free, unit = lane[r], scale / spec.layers
-        shares.setdefault(key, spec.shares())
-        c = [spec.copy_time(i, copy / spec.layers) for i in range(spec.layers)]
+
+_MISSING = object()
+
+
+class _TransferReplay:
+    """Replays of one compute order with transfers (`_simulate_with_transfers`): `run` replays it with one
+    set of transfers, `rerun` with another (the same ``layered``) from where they first change.
+
+    Why resumable: budget offload's search (`pp_offload.order.offload`) replays a placement, moves the
+    RELOADs that end late one pass earlier and replays again, up to 32 times per trial, and much of each
+    rank's replay is the last one's. A rank's replay depends only on its own transfers and on the end times
+    of its passes' dependencies on other ranks, so each rank first checks its passes against the last
+    replay (`_check`) and is replayed live only from its first changed transfer or its first pass whose
+    dependency on another rank now ends at another time; its state there is restored from what the last
+    replay recorded (lane times, list lengths, the chunks' copy ends it overwrote, the reload wait so far),
+    so the result is exactly a fresh replay's."""
+
+    def __init__(self, ranks, passes, deps, duration, costs, scale, rank_of_stage, lanes) -> None:
+        self.ranks, self.passes, self.deps, self.duration = ranks, passes, deps, duration
+        self.comm, self.scale, self.rank_of_stage = costs.comm, scale, rank_of_stage
+        self.copy = costs.transfer * scale
+        self.h2d = 0 if lanes == "shared" else 1
+        self.found: dict[int, list] = {}
+        self.remote: dict[int, list[int]] = {}  # for `rerun`, built once (`_prepare`)
+
+    def run(
+        self, found: dict[int, list], layered: Mapping[tuple[int, int], LayeredChunk], *, memory: bool = True
+    ) -> SimResult:
+        """A fresh replay with ``found`` (rank -> transfers, as `_flatten` collects them); ``memory=False``:
+        without memory curves and peaks (`add_memory`)."""
+        ranks, self.memory = self.ranks, memory
+        self.found, self.layered = found, layered
+        self.shares: dict[tuple[int, int], tuple[float, ...]] = {}  # layered: each unit's share of passes
+        self.copies: dict[tuple[int, int], list[float]] = {}  # layered: each unit's copy time, per chunk
+        self.end: dict[tuple[int, str, int], float] = {}
+        self.producer_rank: dict[tuple[int, str, int], int] = {}
+        self.timeline: dict[int, list] = {r: [] for r in ranks}
+        self.transfers: dict[int, list] = {r: [] for r in ranks}
+        self.wait = {r: 0.0 for r in ranks}
+        self.extra: dict[int, list[tuple[float, float]]] = {r: [] for r in ranks}
+        self.clock = {r: 0.0 for r in ranks}
+        self.pos = {r: 0 for r in ranks}
+        self.tpos = {r: 0 for r in ranks}
+        # lane[r] = [device->host free at, host->device free at]; a shared lane uses index 0 for both
+        self.lane = {r: [0.0, 0.0] for r in ranks}
+        self.offload_end: dict[tuple[int, int], float] = {}
+        self.reload_end: dict[tuple[int, int], float] = {}
+        self.layer_ready: dict[tuple[int, int], list[float]] = {}  # layered: per layer, its reload's end
+        self.f_span: dict[tuple[int, int], tuple[float, float]] = {}
+        self.layer_transfers: dict[int, list] = {r: [] for r in ranks}
+        # for `rerun`: per rank, after each transfer its lanes, list lengths and the chunk state it
+        # overwrote; after each pass the rank's reload wait so far
+        self.issued: dict[int, list[tuple]] = {r: [] for r in ranks}
+        self.waits: dict[int, list[float]] = {r: [] for r in ranks}
+        self.mode = {r: "live" for r in ranks}  # live: replayed; check, done: see `rerun`
+        return self._replay()
+
+    def rerun(self, found: dict[int, list], *, memory: bool = True) -> SimResult:
+        """`run` with ``found`` instead of the last replay's transfers, the same ``layered``: the same
+        result, replaying only what can differ (the class doc). The last `SimResult` is left as it was."""
+        self.old, self.found, passes, self.memory = self.found, found, self.passes, memory
+        self.own = {}  # per rank, where its own transfers first differ (past its last issue: nowhere)
+        for r in self.ranks:
+            a, b = self.old[r], found[r]
+            k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            counts = [t[0] for t in a[k : k + 1] + b[k : k + 1]]
+            self.own[r] = min(counts) if counts else len(passes[r]) + 1
+        # the last SimResult keeps its containers: the ones it shares are copied before any change
+        self.timeline, self.transfers = dict(self.timeline), dict(self.transfers)
+        self.layer_transfers, self.wait = dict(self.layer_transfers), dict(self.wait)
+        # end times are published again as ranks check or replay their passes (`_check`, `_advance`)
+        self.old_end, self.end = self.end, {}
+        self._prepare()
+        self.checked = {r: 0 for r in self.ranks}  # per rank, its remote dependencies checked so far
+        for r in self.ranks:  # every rank checks its passes against the last replay, from the first
+            self.mode[r], self.pos[r] = "check", 0
+        return self._replay()
+
+    def _check(self, r: int) -> bool:
+        """Rank r's passes from ``pos[r]`` on are the last replay's while their transfers are the same and
+        every dependency on another rank ends when it did (their end times are then published as they
+        were); at the first that is not, the rank is restored to its state there (`_restore`) and replayed
+        live. Returns whether it got anywhere."""
+        remote, n, own, keys = self.remote[r], len(self.passes[r]), self.own[r], self.keys[r]
+        end, old_end = self.end, self.old_end
+        i, start = self.checked[r], self.pos[r]
+        while True:
+            if i >= len(remote) or remote[i] >= own:
+                for key in keys[start : min(own, n)]:
+                    end[key] = old_end[key]
+                if own > n:  # the same as the last replay to its end
+                    self.pos[r], self.mode[r] = n, "done"
+                else:
+                    self._restore(r, own)
+                return True
+            p = remote[i]
+            dep = self.deps[r][p]
+            now = end.get(dep)
+            if now is None or now != old_end[dep]:
+                for key in keys[start:p]:
+                    end[key] = old_end[key]
+                if now is None:  # not replayed (or checked) that far yet
+                    self.pos[r], self.checked[r] = p, i
+                    return p > start
+                self._restore(r, p)
+                return True
+            i += 1
+
+    def _restore(self, r: int, q: int) -> None:
+        """Rank r as the last replay left it before its pass ``q`` (its transfers there not yet issued),
+        then replayed live from there."""
+        old = self.old[r]
+        for stage, kind, mb in self.passes[r][q:]:
+            if kind == F:
+                del self.f_span[(stage, mb)]
+        t = 0
+        while t < len(old) and old[t][0] < q:
+            t += 1
+        for _, undo in reversed(self.issued[r][t:]):
+            for table, key, before in reversed(undo):
+                if before is _MISSING:
+                    del table[key]
+                else:
+                    table[key] = before
+        lanes, n_extra, n_layers = self.issued[r][t - 1][0] if t else ((0.0, 0.0), 0, 0)
+        self.lane[r] = list(lanes)
+        self.extra[r] = self.extra[r][:n_extra]
+        self.layer_transfers[r] = self.layer_transfers[r][:n_layers]
+        self.transfers[r] = self.transfers[r][:t]
+        self.issued[r] = self.issued[r][:t]
+        self.timeline[r] = self.timeline[r][:q]
+        self.waits[r] = self.waits[r][:q]
+        self.wait[r] = self.waits[r][q - 1] if q else 0.0
+        self.clock[r] = self.timeline[r][q - 1][2] if q else 0.0
+        self.pos[r], self.tpos[r], self.mode[r] = q, t, "live"
+
+    def _prepare(self) -> None:
+        """For `rerun`: per rank, the key each pass's end time is published under and the positions of its
+        passes that depend on a pass of another rank."""
+        if not self.remote:
+            self.keys = {
+                s: [(stage, I, mb) if kind == B else (stage, kind, mb) for stage, kind, mb in self.passes[s]]
+                for s in self.ranks
+            }
+            rank_of = {key: s for s in self.ranks for key in self.keys[s]}
+            self.remote = {
+                s: [p for p, dep in enumerate(self.deps[s]) if dep is not None and rank_of[dep] != s]
+                for s in self.ranks
+            }
+
+    def _issue_layered(self, r: int, action, kind: str, key: tuple[int, int], spec, now: float, undo) -> None:
+        free, unit = self.lane[r], self.scale / spec.layers
+        extra, layer_transfers = self.extra[r], self.layer_transfers[r]
+        offload_end, reload_end, layer_ready = self.offload_end, self.reload_end, self.layer_ready
+        c = self.copies.get(key)
+        if c is None:
+            self.shares[key] = spec.shares()
+            c = self.copies[key] = [spec.copy_time(i, self.copy / spec.layers) for i in range(spec.layers)]
+        if kind == OFFLOAD:
+            undo.append((offload_end, key, offload_end.get(key, _MISSING)))
+        else:
+            undo.append((reload_end, key, reload_end.get(key, _MISSING)))
+            undo.append((layer_ready, key, layer_ready.get(key, _MISSING)))
         if spec.moved == 0:
-            transfers[r].append((action, now, now))
+            self.transfers[r].append((action, now, now))
             if kind == OFFLOAD:
                 offload_end[key] = now
             else:
@@ -429,121 +572,163 @@ def _simulate_with_transfers(
         first = last = None
         if kind == OFFLOAD and key in reload_end:  # again, after I: the host copy is exact, just drop
             for i in range(spec.moved):
-                extra[r].append((now, -unit))
-                layer_transfers[r].append((action, i, now, now))
+                extra.append((now, -unit))
+                layer_transfers.append((action, i, now, now))
             offload_end[key] = now
-            transfers[r].append((action, now, now))
+            self.transfers[r].append((action, now, now))
             return
         if kind == OFFLOAD:  # layer i's copy was issued when its forward ended, during the F pass
-            f_start, f_end = f_span[key]
+            f_start, f_end = self.f_span[key]
+            share = self.shares[key]
             done = 0.0
             for i in range(spec.moved):
-                done += shares[key][i]
+                done += share[i]
                 start = max(f_start + done * (f_end - f_start), free[0])
                 free[0] = finish = start + c[i]
-                extra[r].append((finish, -unit))
-                layer_transfers[r].append((action, i, start, finish))
+                extra.append((finish, -unit))
+                layer_transfers.append((action, i, start, finish))
                 first = start if first is None else first
                 last = finish
             offload_end[key] = last
         else:  # last moved layer first: the backward needs it first
+            h2d = self.h2d
             ready = [now] * spec.layers
             for i in range(spec.moved - 1, -1, -1):
                 start = max(now, free[h2d], offload_end[key])
                 free[h2d] = finish = start + c[i]
-                extra[r].append((start, unit))
-                layer_transfers[r].append((action, i, start, finish))
+                extra.append((start, unit))
+                layer_transfers.append((action, i, start, finish))
                 ready[i] = finish
                 first = start if first is None else first
                 last = finish
             reload_end[key] = last
             layer_ready[key] = ready
-        transfers[r].append((action, first, last))
+        self.transfers[r].append((action, first, last))
 
-    def issue(r: int) -> None:
+    def _issue(self, r: int) -> None:
         """Issue rank r's transfers that sit before its next compute pass, at its compute clock."""
-        todo, i, now, free = found[r], tpos[r], clock[r], lane[r]
-        while i < len(todo) and todo[i][0] == pos[r]:
+        todo, i, now, free, at = self.found[r], self.tpos[r], self.clock[r], self.lane[r], self.pos[r]
+        extra, scale, copy, h2d = self.extra[r], self.scale, self.copy, self.h2d
+        offload_end, reload_end, issued = self.offload_end, self.reload_end, self.issued[r]
+        while i < len(todo) and todo[i][0] == at:
             _, action, kind, stage, mb = todo[i]
-            spec = layered.get((stage, mb))
+            key = (stage, mb)
+            undo: list = []
+            spec = self.layered.get(key)
             if spec is not None:
-                issue_layered(r, action, kind, (stage, mb), spec, now)
-                i += 1
-                continue
-            if kind == OFFLOAD and (stage, mb) in reload_end:  # again, after I: drop, no copy
-                start = finish = now
-                offload_end[(stage, mb)] = now
-                extra[r].append((now, -scale))
-            elif kind == OFFLOAD:
-                start = max(now, free[0])
-                free[0] = finish = start + copy
-                offload_end[(stage, mb)] = finish
-                extra[r].append((finish, -scale))
+                self._issue_layered(r, action, kind, key, spec, now, undo)
             else:
-                start = max(now, free[h2d], offload_end[(stage, mb)])
-                free[h2d] = finish = start + copy
-                reload_end[(stage, mb)] = finish
-                extra[r].append((start, scale))
-            transfers[r].append((action, start, finish))
+                table = offload_end if kind == OFFLOAD else reload_end
+                undo.append((table, key, table.get(key, _MISSING)))
+                if kind == OFFLOAD and key in reload_end:  # again, after I: drop, no copy
+                    start = finish = now
+                    offload_end[key] = now
+                    extra.append((now, -scale))
+                elif kind == OFFLOAD:
+                    start = max(now, free[0])
+                    free[0] = finish = start + copy
+                    offload_end[key] = finish
+                    extra.append((finish, -scale))
+                else:
+                    start = max(now, free[h2d], offload_end[key])
+                    free[h2d] = finish = start + copy
+                    reload_end[key] = finish
+                    extra.append((start, scale))
+                self.transfers[r].append((action, start, finish))
+            issued.append((((free[0], free[1]), len(extra), len(self.layer_transfers[r])), undo))
             i += 1
-        tpos[r] = i
+        self.tpos[r] = i
 
-    remaining = sum(len(seq) for seq in passes.values())
-    while remaining:
-        progressed = False
+    def _advance(self, r: int) -> bool:
+        """Rank r's passes replayed in order until one waits on a pass not replayed yet (live mode);
+        returns whether it ran any."""
+        pos, tpos, clock, end, producer_rank = self.pos, self.tpos, self.clock, self.end, self.producer_rank
+        layer_ready, shares, reload_end, f_span = self.layer_ready, self.shares, self.reload_end, self.f_span
+        wait, comm = self.wait, self.comm
+        seq, todo, rank_deps = self.passes[r], self.found[r], self.deps[r]
+        spans, line, waits = self.duration[r], self.timeline[r], self.waits[r]
+        first = pos[r]
+        while pos[r] < len(seq):
+            p = pos[r]
+            t_next = tpos[r]
+            if t_next < len(todo) and todo[t_next][0] == p:
+                self._issue(r)
+            pass_ = seq[p]
+            stage, kind, mb = pass_
+            dep = rank_deps[p]
+            ready = clock[r]
+            if dep is not None:
+                done = end.get(dep)
+                if done is None:
+                    break
+                ready = max(ready, done + (comm if producer_rank[dep] != r else 0.0))
+            start = ready
+            finish = None
+            span = spans[p]
+            if kind != F:
+                ready_layers = layer_ready.get((stage, mb))
+                if ready_layers is not None:  # layer by layer, last layer first
+                    n = len(ready_layers)
+                    share = shares[(stage, mb)]
+                    t = ready
+                    for layer in range(n - 1, -1, -1):
+                        t = max(t, ready_layers[layer]) + share[layer] * span
+                    finish = t
+                    wait[r] += finish - (ready + span)
+                else:
+                    reloaded = reload_end.get((stage, mb))
+                    if reloaded is not None and reloaded > ready:
+                        start = reloaded
+                        wait[r] += reloaded - ready
+            if finish is None:
+                finish = start + span
+            key = (stage, I, mb) if kind == B else pass_
+            end[key] = finish
+            producer_rank[key] = r
+            line.append((pass_, start, finish))
+            waits.append(wait[r])
+            if kind == F:
+                f_span[(stage, mb)] = (start, finish)
+            clock[r] = finish
+            pos[r] = p + 1
+        if pos[r] == len(seq):
+            self._issue(r)  # transfers after the rank's last compute pass
+        return pos[r] != first
+
+    def _replay(self) -> SimResult:
+        ranks, mode, pos, passes = self.ranks, self.mode, self.pos, self.passes
+        while True:
+            progressed = False
+            for r in ranks:
+                if mode[r] == "check":
+                    progressed |= self._check(r)
+                if mode[r] == "live":
+                    progressed |= self._advance(r)
+            if all(mode[r] == "done" or pos[r] == len(passes[r]) for r in ranks):
+                break
+            if not progressed:
+                _raise_deadlock(passes, pos, self.rank_of_stage)
         for r in ranks:
-            seq = passes[r]
-            while pos[r] < len(seq):
-                issue(r)
-                stage, kind, mb = seq[pos[r]]
-                dep = deps[r][pos[r]]
-                ready = clock[r]
-                if dep is not None:
-                    if dep not in end:
-                        break
-                    ready = max(ready, end[dep] + (costs.comm if producer_rank[dep] != r else 0.0))
-                start = ready
-                finish = None
-                if kind != F:
-                    ready_layers = layer_ready.get((stage, mb))
-                    if ready_layers is not None:  # layer by layer, last layer first
-                        n = len(ready_layers)
-                        share = shares[(stage, mb)]
-                        t = ready
-                        for layer in range(n - 1, -1, -1):
-                            t = max(t, ready_layers[layer]) + share[layer] * duration[r][pos[r]]
-                        finish = t
-                        wait[r] += finish - (ready + duration[r][pos[r]])
-                    else:
-                        reloaded = reload_end.get((stage, mb))
-                        if reloaded is not None and reloaded > ready:
-                            start = reloaded
-                            wait[r] += reloaded - ready
-                if finish is None:
-                    finish = start + duration[r][pos[r]]
-                key = (stage, I if kind == B else kind, mb)
-                end[key] = finish
-                producer_rank[key] = r
-                timeline[r].append(((stage, kind, mb), start, finish))
-                if kind == F:
-                    f_span[(stage, mb)] = (start, finish)
-                clock[r] = finish
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-            if pos[r] == len(seq):
-                issue(r)  # transfers after the rank's last compute pass
-        if not progressed:
-            _raise_deadlock(passes, pos, rank_of_stage)
-    for r in ranks:
-        issue(r)
+            if mode[r] == "live":
+                self._issue(r)
 
-    busy = {r: sum(duration[r]) for r in ranks}  # a layered backward's span includes its reload waits
-    curves, peaks = {}, {}
-    for r in ranks:
-        curves[r], peaks[r] = _memory(timeline[r], scale, extra[r])
-    makespan = max(clock.values())
-    return SimResult(makespan, busy, peaks, timeline, curves, transfers, wait, layer_transfers)
+        busy = {r: sum(self.duration[r]) for r in ranks}  # a layered backward's span includes its waits
+        makespan = max(self.clock.values())
+        result = SimResult(
+            makespan, busy, {}, self.timeline, {}, self.transfers, self.wait, self.layer_transfers
+        )
+        if self.memory:
+            self.add_memory(result)
+        return result
+
+    def add_memory(self, result: SimResult) -> None:
+        """Fill the memory curves and peaks of ``result``, this object's latest replay (`run` and `rerun`
+        leave them empty with ``memory=False``: a search that replays a placement several times before it
+        keeps one needs them only for the one it keeps)."""
+        for r in self.ranks:
+            result.memory_curve[r], result.peak_memory[r] = _memory(
+                self.timeline[r], self.scale, self.extra[r]
+            )
 
 
 def as_executed_by_torch(order: Mapping[int, Iterable[Any]]) -> dict[int, list[Any]]:

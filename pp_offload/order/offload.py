@@ -74,6 +74,7 @@ from pp_offload.order.offload_policy import (
     resolve_offload,
     transfer_compute_ratio,
 )
+from pp_offload.order.offload_replay import STATS, PlacementReplay, snapshot, trial_memo
 from pp_offload.sim import LayeredChunk, SimResult, simulate
 
 __all__ = [
@@ -294,9 +295,14 @@ def _plan_budget(
             mine.append(c)
         chunks[rank] = mine
 
+    replays = PlacementReplay(compute, costs, policy.lanes)
+    memo = trial_memo(compute, costs, policy, repr((counts, copies, shares)), peaks_of)
+
     def attempt(
         cap: int | None, drop_after_i: bool, extra: Mapping[tuple[int, int], int] | None = None
     ) -> tuple:
+        """``(placement, offloaded, replay, moved layers, peaks)`` of one trial (its placement's chunks
+        are written into the order by `placed`)."""
         extra = extra or {}
         moved: dict[tuple[int, int], LayeredChunk] = {}
         reloads: dict[int, dict[tuple[int, int], _Chunk]] = {}
@@ -311,25 +317,39 @@ def _plan_budget(
                         c.moved = max(0, min(c.layers, c.moved + extra.get((c.key[0], c.key[1] % 2), 0)))
                 if c.moved == 0:
                     continue
+                reloads[rank][c.key] = c
+        # the trial is decided by the layers each chunk moves (`trial_memo`)
+        key = (drop_after_i, tuple((k, c.moved) for mine in reloads.values() for k, c in mine.items()))
+        if key in memo:
+            STATS["repeats"] += 1
+            return memo[key]
+        STATS["trials"] += 1
+        for rank, mine in reloads.items():
+            for c in mine.values():
                 moved[c.key] = LayeredChunk(c.moved, c.layers, c.layer_copies or c.layer_copy, c.compute)
                 c.slot = _layered_slot(c, base.timeline[rank], policy)
                 c.w_slot = _w_slot(c, base.timeline[rank], policy.reload_margin) if drop_after_i else -1
-                reloads[rank][c.key] = c
-        planned = _insert(compute, reloads)
-        result = simulate(planned, costs, copy_lanes=policy.lanes, layered=moved)
+        result = replays.run(reloads, moved)
         if policy.reload_lead is None:
             for _ in range(_REFINE_ROUNDS):
                 if not _move_late_layered(result, reloads, policy.reload_margin):
                     break
-                planned = _insert(compute, reloads)
-                result = simulate(planned, costs, copy_lanes=policy.lanes, layered=moved)
+                result = replays.rerun(reloads)
+        result = replays.kept(result)
         offloaded = {r: sorted(reloads[r], key=lambda k: (-moved[k].moved, k)) for r in compute}
         peaks = dict(result.peak_memory) if peaks_of is None else dict(peaks_of(result, moved))
-        return planned, offloaded, result, moved, peaks
+        memo[key] = found = (snapshot(reloads), offloaded, result, moved, peaks)
+        return found
+
+    def placed(found: tuple) -> OffloadPlan:
+        """The plan of a trial: its placement written into the order (fresh containers: the memo keeps
+        the trial's)."""
+        reloads, offloaded, result, moved, _ = found
+        order = replays.order(reloads)
+        return OffloadPlan(order, {r: list(k) for r, k in offloaded.items()}, policy, result, dict(moved))
 
     if policy.fraction is not None:
-        planned, offloaded, result, moved, _ = attempt(None, policy.drop_after_i)
-        return OffloadPlan(planned, offloaded, policy, result, moved)
+        return placed(attempt(None, policy.drop_after_i))
     limit = base.makespan * (1.0 + policy.max_slowdown) + _EPS
     top = max((c.fit for mine in chunks.values() for c in mine), default=0)
     best = None
@@ -382,8 +402,7 @@ def _plan_budget(
         return OffloadPlan(
             compute, {r: [] for r in compute}, policy, simulate(compute, costs, copy_lanes=policy.lanes)
         )
-    planned, offloaded, result, moved, _ = best
-    return OffloadPlan(planned, offloaded, policy, result, moved)
+    return placed(best)
 
 
 def _plan_lower(plan: OffloadPlan, than: OffloadPlan, peaks_of) -> bool:

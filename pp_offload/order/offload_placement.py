@@ -8,6 +8,7 @@ import heapq
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from pp_offload.order.actions import OFFLOAD, RELOAD, Action, B, F, W
@@ -54,11 +55,8 @@ def _latest_reload_start(
     """The latest start of a reload of units k-1..0 (in that order) that still ends every unit
     ``margin`` unit-backwards before the backward (of ``duration``, default the first) reaches it."""
     span = c.back_duration if duration is None else duration
-    latest, before, copied = math.inf, 0.0, 0.0
-    after = [0.0] * c.layers  # share of the backward before it reaches unit j (later units first)
-    for j in range(c.layers - 1, -1, -1):
-        after[j] = before
-        before += c.shares[j]
+    latest, copied = math.inf, 0.0
+    after = c.after
     for j in range(k - 1, -1, -1):
         copied += c.copy_of(j)
         latest = min(latest, back_start + (after[j] - margin * c.shares[j]) * span - copied)
@@ -185,6 +183,16 @@ class _Chunk:
     @property
     def window(self) -> float:
         return self.back_start - self.f_end
+
+    @cached_property
+    def after(self) -> tuple[float, ...]:
+        """Per unit j, the share of the backward before it reaches unit j (it runs later units first);
+        computed once: the budget search asks for it at every refinement round (`_latest_reload_start`)."""
+        before, after = 0.0, [0.0] * self.layers
+        for j in range(self.layers - 1, -1, -1):
+            after[j] = before
+            before += self.shares[j]
+        return tuple(after)
 
 
 def _chunks(timeline) -> dict[tuple[int, int], _Chunk]:

@@ -49,6 +49,10 @@ def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, ev
     candidates: list[Candidate] = []
     details: dict[str, dict[str, Any]] = {}
     fits_plain: set[str] = set()
+    # one worker pool for every recompute mode, started when first needed: each worker imports torch's
+    # pipelining and warms its caches once, not once per mode (16 worker starts for the README example's
+    # 8 modes cost ~16 s of CPU, a third of its planning)
+    pool: list[ProcessPoolExecutor] = []
     try:
         for recompute in modes:
             skip = set() if (recompute == "none" or evaluate_dominated) else fits_plain
@@ -62,6 +66,7 @@ def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, ev
                 evaluate_dominated,
                 skip,
                 bar,
+                pool,
             )
             candidates += found
             for name, entry in info.items():
@@ -74,12 +79,15 @@ def _evaluate_all(names, policies, common, limit_bytes, mode, progress, jobs, ev
                 fits_plain = {c.schedule for c in found if c.offload == "none" and c.evaluated and c.fits}
     finally:
         bar.close()
+        for workers in pool:
+            workers.shutdown()
     return candidates, details
 
 
-def _evaluate_mode(names, policies, common, limit_bytes, mode, jobs, evaluate_dominated, skip, bar):
+def _evaluate_mode(names, policies, common, limit_bytes, mode, jobs, evaluate_dominated, skip, bar, pool):
     """`_evaluate_all` for one recompute mode (``common["recompute"]``); schedules in ``skip`` are listed
-    as skipped (they fit without offload or recompute)."""
+    as skipped (they fit without offload or recompute). ``pool``: the worker pool of `_evaluate_all` (a
+    list holding it once started)."""
     recompute = common["recompute"]
     setups = {name: setup_schedule(name, **common) for name in names}
     if "ScheduleVAdaptive" in setups:
@@ -130,13 +138,14 @@ def _evaluate_mode(names, policies, common, limit_bytes, mode, jobs, evaluate_do
             results[name] = _evaluate_schedule(setups[name], *args)
             bar.update(len(policies) * (1 + sum(1 for a in alias.values() if a == name)))
     else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(_evaluate_schedule, setups[n], *args): n for n in tasks}
-            for future in as_completed(futures):
-                name = futures[future]
-                results[name] = future.result()
-                bar.set_postfix_str(name)
-                bar.update(len(policies) * (1 + sum(1 for a in alias.values() if a == name)))
+        if not pool:
+            pool.append(ProcessPoolExecutor(max_workers=min(jobs or os.cpu_count() or 1, len(names))))
+        futures = {pool[0].submit(_evaluate_schedule, setups[n], *args): n for n in tasks}
+        for future in as_completed(futures):
+            name = futures[future]
+            results[name] = future.result()
+            bar.set_postfix_str(name)
+            bar.update(len(policies) * (1 + sum(1 for a in alias.values() if a == name)))
     candidates: list[Candidate] = []
     details: dict[str, dict[str, Any]] = {}
     for name in names:
