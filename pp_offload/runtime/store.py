@@ -27,11 +27,10 @@ tensor is rebuilt with ``as_strided`` on it.
 
 CUDA: copies run on one copy stream per direction (``lanes="duplex"``, the default) or on one, ordered by
 ``wait_stream`` after the compute that produced the tensors (offload) or that may still read the memory a
-reload buffer reuses; host buffers are pinned and pooled per dtype. Compute waits on a reload's event only
-when it first unpacks a tensor of that chunk (once per stream), so it never waits on a copy it does not
-need. CPU:
-exactly the same code, with synchronous copies into ordinary host buffers, so views, dtypes, pooling and
-the order checks are testable everywhere.
+reload buffer reuses; host buffers are pinned and pooled per dtype (`pp_offload.runtime.host_pool`).
+Compute waits on a reload's event only when it first unpacks a tensor of that chunk (once per stream), so
+it never waits on a copy it does not need. CPU: exactly the same code, with synchronous copies into
+ordinary host buffers, so views, dtypes, pooling and the order checks are testable everywhere.
 
 autograd skips its in-place modification check for tensors saved through hooks; the store redoes it
 (at offload, and at unpack of a chunk never offloaded), so a saved tensor changed in place is an error
@@ -58,6 +57,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pp_offload.runtime.host_pool import HostPool, PoolStats
+
 __all__ = [
     "KEEP_REASONS",
     "ActivationStore",
@@ -72,8 +73,6 @@ _ALIGN_BYTES = 256
 """Segments start on this boundary in host and device buffers, and a storage span starts on it relative
 to the original storage: reloaded tensors keep the original pointer alignment modulo 256 bytes, which
 vectorized kernels and cuBLAS/cuDNN algorithm choice depend on."""
-
-_MIN_POOL_BYTES = 1 << 16
 
 # chunk states
 _CAPTURING = "capturing"
@@ -116,15 +115,6 @@ class ChunkStats:
 
 
 @dataclass(frozen=True)
-class PoolStats:
-    """Host buffers of one dtype (pinned on CUDA)."""
-
-    buffers: int
-    bytes: int
-    in_use: int
-
-
-@dataclass(frozen=True)
 class StoreStats:
     chunks: dict[Hashable, ChunkStats]
     host_pool: dict[torch.dtype, PoolStats]
@@ -138,64 +128,6 @@ class StoreStats:
             "host_pool": {str(k).removeprefix("torch."): asdict(v) for k, v in self.host_pool.items()},
             "resident_bytes": self.resident_bytes,
             "host_pool_bytes": self.host_pool_bytes,
-        }
-
-
-class _HostPool:
-    """Host buffers per dtype, reused across steps.
-
-    A chunk takes one buffer per dtype (best fit) and gives it back at release, so after the first step
-    the pool holds as many buffers per dtype as chunks are ever offloaded at once, and no allocation (a
-    slow, synchronizing ``cudaHostAlloc`` for pinned memory) happens in later steps. Sizes are rounded up
-    to a power of two bytes: torch's pinned allocator rounds that way anyway, and chunks of slightly
-    different sizes (a shorter last microbatch) then share buffers. When no free buffer is large enough
-    and a smaller one is free, that one is dropped and a larger one allocated: the pool grows in size,
-    not in count.
-
-    Each free buffer carries the CUDA event of the last copy that used it (None on CPU): a new offload
-    into it must not start before that copy ends. On one copy stream that holds by stream order; with a
-    separate reload stream the offload's stream waits on the event (on the GPU, no host sync). A dropped
-    buffer goes back to torch's host allocator, which itself waits for the copies that used it.
-    """
-
-    def __init__(self, *, pin_memory: bool) -> None:
-        self._pin = pin_memory
-        self._free: dict[torch.dtype, list[tuple[torch.Tensor, Any]]] = {}
-        self._buffers: dict[torch.dtype, int] = {}
-        self._bytes: dict[torch.dtype, int] = {}
-        self._in_use: dict[torch.dtype, int] = {}
-
-    def take(self, dtype: torch.dtype, numel: int) -> tuple[torch.Tensor, Any]:
-        """A buffer of at least ``numel`` elements and the event of its last use (or None)."""
-        free = self._free.setdefault(dtype, [])
-        best = None
-        for i, (buf, _) in enumerate(free):
-            if buf.numel() >= numel and (best is None or buf.numel() < free[best][0].numel()):
-                best = i
-        if best is not None:
-            taken = free.pop(best)
-        else:
-            if free:  # grow: replace the largest free buffer (too small) instead of adding one
-                largest = max(range(len(free)), key=lambda i: free[i][0].numel())
-                dropped, _ = free.pop(largest)
-                self._buffers[dtype] -= 1
-                self._bytes[dtype] -= dropped.nbytes
-            itemsize = dtype.itemsize
-            nbytes = max(_MIN_POOL_BYTES, 1 << (numel * itemsize - 1).bit_length())
-            taken = (torch.empty(nbytes // itemsize, dtype=dtype, pin_memory=self._pin), None)
-            self._buffers[dtype] = self._buffers.get(dtype, 0) + 1
-            self._bytes[dtype] = self._bytes.get(dtype, 0) + taken[0].nbytes
-        self._in_use[dtype] = self._in_use.get(dtype, 0) + 1
-        return taken
-
-    def give(self, buf: torch.Tensor, last_use: Any) -> None:
-        self._free.setdefault(buf.dtype, []).append((buf, last_use))
-        self._in_use[buf.dtype] -= 1
-
-    def stats(self) -> dict[torch.dtype, PoolStats]:
-        return {
-            dt: PoolStats(buffers=n, bytes=self._bytes[dt], in_use=self._in_use.get(dt, 0))
-            for dt, n in self._buffers.items()
         }
 
 
@@ -333,7 +265,7 @@ class ActivationStore:
         CPU)."""
         self._cuda = cuda
         self._two_lanes = cuda and self.reload_stream is not self.copy_stream
-        self._pool = _HostPool(pin_memory=bool(pin_memory))
+        self._pool = HostPool(pin_memory=bool(pin_memory))
         self._chunks: dict[Hashable, _Chunk] = {}
         self.last_captured: dict[Hashable, int] = {}
         """Per chunk key, the bytes its latest capture recorded (what offload moves: the chunk's saved
