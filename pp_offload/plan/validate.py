@@ -193,6 +193,23 @@ def _stage_fn(model, *, layers: int, first: bool, last: bool, ids, hidden):
     return run
 
 
+def _stage_inputs(model, spec: Any, microbatch_size: int, seq_len: int):
+    """A stage's inputs: token ids (a first stage's) and a hidden state that wants a gradient (the others',
+    in the model's activation dtype: its first floating-point parameter's)."""
+    import torch
+
+    ids = torch.randint(0, spec.vocab_size, (microbatch_size, seq_len))
+    act_dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    hidden = torch.randn(microbatch_size, seq_len, spec.hidden_size, dtype=act_dtype, requires_grad=True)
+    return ids, hidden
+
+
+def _stage_name(first: bool, last: bool) -> str:
+    if first and last:
+        return "whole model"
+    return "first stage" if first else ("last stage" if last else "middle stage")
+
+
 def measure_stage(
     name: str,
     config: dict[str, Any],
@@ -210,18 +227,17 @@ def measure_stage(
     hf_config, model = _build(config, dtype)
     spec = model_spec(hf_config)
     vocab = spec.vocab_size
-    ids = torch.randint(0, vocab, (microbatch_size, seq_len))
-    hidden = torch.randn(microbatch_size, seq_len, spec.hidden_size, dtype=next(model.parameters()).dtype)
-    hidden.requires_grad_(True)
+    ids, hidden = _stage_inputs(model, spec, microbatch_size, seq_len)
     fn = _stage_fn(model, layers=layers, first=first, last=last, ids=ids, hidden=hidden)
     measured, output = saved_bytes(fn, keep=() if first else (hidden,))
     estimate = chunk_activation(
         spec, dtype, layers=layers, first=first, last=last, microbatch_size=microbatch_size, seq_len=seq_len
     )
-    what = "first stage" if first else ("last stage" if last else "middle stage")
-    if first and last:
-        what = "whole model"
-    rows = [Measurement(name, dtype, what, layers, microbatch_size, seq_len, measured, estimate.saved)]
+    rows = [
+        Measurement(
+            name, dtype, _stage_name(first, last), layers, microbatch_size, seq_len, measured, estimate.saved
+        )
+    ]
     if last:
         labels = torch.randint(0, vocab, (microbatch_size, seq_len))
         loss_bytes, _ = saved_bytes(lambda: model.loss_function(output, labels, vocab_size=vocab))
@@ -262,9 +278,7 @@ def measure_queue(
         model = unwrap_peft(apply_lora(model, r=lora_rank))
     stage = types.SimpleNamespace(submod=model, backward_maybe_with_nosync=lambda *a, **k: None)
     deferred_w.defer_weight_grads([stage])
-    ids = torch.randint(0, spec.vocab_size, (microbatch_size, seq_len))
-    act_dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    hidden = torch.randn(microbatch_size, seq_len, spec.hidden_size, dtype=act_dtype, requires_grad=True)
+    ids, hidden = _stage_inputs(model, spec, microbatch_size, seq_len)
     output = _stage_fn(model, layers=layers, first=first, last=last, ids=ids, hidden=hidden)()
     receive = set()
     with deferred_w.collecting():
@@ -283,8 +297,9 @@ def measure_queue(
     estimate = queued_bytes(
         spec, dtype, layers=layers, first=first, last=last, microbatch_size=microbatch_size, seq_len=seq_len
     )
-    what = "first stage" if first else ("last stage" if last else "middle stage")
-    return Measurement(name, dtype, f"{what} queue", layers, microbatch_size, seq_len, measured, estimate)
+    return Measurement(
+        name, dtype, f"{_stage_name(first, last)} queue", layers, microbatch_size, seq_len, measured, estimate
+    )
 
 
 def measure_layer(
