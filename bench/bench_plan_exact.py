@@ -34,38 +34,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the setup test_plan_exact.py checks
 # what a first run pays: the V-order search's disk cache (pp_offload.order.cache) would serve repeats
 os.environ["PP_OFFLOAD_ORDER_CACHE"] = "off"
 
+from _plan_reference import llama70b_setup as _setup  # noqa: E402
+
 from pp_offload.plan import plan  # noqa: E402
-from pp_offload.plan.evaluate import build_orders, combine, evaluate_orders, setup_schedule  # noqa: E402
-from pp_offload.plan.machines import resolve_machine  # noqa: E402
-from pp_offload.plan.memory import precision  # noqa: E402
-from pp_offload.plan.model import model_spec  # noqa: E402
+from pp_offload.plan.evaluate import build_orders, combine, evaluate_orders  # noqa: E402
 from pp_offload.plan.orders import SCHEDULES, resolve_search  # noqa: E402
 
 CASES = (("A100", 8, 64), ("H100", 8, 128))
 EXAMPLE = ["--model", "llama-3-8b", "--seq-len", "8192", "--pp", "4", "--microbatches", "16"]
-
-
-def _setup(schedule: str, machine: str, pp: int, m: int):
-    setup = setup_schedule(
-        schedule,
-        spec=model_spec("llama-3-70b"),
-        machine=resolve_machine(machine),
-        precision=precision("bf16"),
-        seq_len=4096,
-        microbatch_size=1,
-        num_microbatches=m,
-        pp=pp,
-        dp=1,
-        dp_shard=False,
-        virtual_stages=2,
-        reserve=0,
-    )
-    if schedule == "ScheduleVAdaptive":
-        setup.memory_cap = float(pp + pp // 2)
-    return setup
 
 
 def _replay(setup, sizes: list[int], m: int) -> dict:

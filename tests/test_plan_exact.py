@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from _plan_reference import llama70b_setup
 
 from pp_offload.plan import evaluate as plan_evaluate
 from pp_offload.plan import plan
@@ -23,12 +24,8 @@ from pp_offload.plan.evaluate import (
     combine,
     evaluate_orders,
     predict,
-    setup_schedule,
     simulation_sizes,
 )
-from pp_offload.plan.machines import resolve_machine
-from pp_offload.plan.memory import precision
-from pp_offload.plan.model import model_spec
 from pp_offload.plan.orders import SCHEDULES
 
 TOLERANCE = 0.005
@@ -40,22 +37,7 @@ def _setup(schedule: str, pp: int, m: int, shape: str):
     stages' passes the way expert layers change them. The all-to-all dispatch and combine run inside F and
     I (not W, which only multiplies what it holds) and routing skews the stages, so F and I grow by 30-50%
     and unevenly per stage, W by 0-10%, and the hidden-state transfer doubles."""
-    setup = setup_schedule(
-        schedule,
-        spec=model_spec("llama-3-70b"),
-        machine=resolve_machine("A100"),
-        precision=precision("bf16"),
-        seq_len=4096,
-        microbatch_size=1,
-        num_microbatches=m,
-        pp=pp,
-        dp=1,
-        dp_shard=False,
-        virtual_stages=2,
-        reserve=0,
-    )
-    if schedule == "ScheduleVAdaptive":
-        setup.memory_cap = float(pp + pp // 2)  # between V-Min's and V-ZB's peaks
+    setup = llama70b_setup(schedule, "A100", pp, m)
     if shape == "moe":
         skew = [1.3 + 0.2 * ((7 * s) % 5) / 4 for s in range(len(setup.costs.stages))]
         stages = tuple(
