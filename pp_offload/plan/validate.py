@@ -290,8 +290,7 @@ def measure_queue(
             receive.add((grad.device, grad.untyped_storage().data_ptr()))
             output.backward(grad)
     try:
-        held = deferred_w.queued_storages()
-        measured = sum(b for key, b in held.items() if key not in receive)
+        measured = deferred_w.queued_bytes(leave_out=receive)
     finally:
         deferred_w.apply_queued_weight_grads(model.parameters())
     estimate = queued_bytes(

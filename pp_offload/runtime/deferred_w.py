@@ -373,9 +373,12 @@ def queued_storages(entries: list[Any] | None = None) -> dict[tuple[Any, int], i
     return seen
 
 
-def queued_bytes() -> int:
-    """Bytes held by the queue (each distinct storage once): the deferred-W share of I-to-W memory."""
-    return sum(queued_storages().values())
+def queued_bytes(entries: list[Any] | None = None, leave_out: Iterable[tuple[Any, int]] = ()) -> int:
+    """Bytes held by the queue (or ``entries``), each distinct storage once: the deferred-W share of I-to-W
+    memory. ``leave_out``: storages, as (device, data pointer), not to count (the stage output's gradient,
+    torch's receive buffer, which lives for the whole run)."""
+    skip = set(leave_out)
+    return sum(b for key, b in queued_storages(entries).items() if key not in skip)
 
 
 @contextlib.contextmanager
@@ -430,9 +433,7 @@ class _Builder:
         entries = _QUEUE[:]
         _QUEUE.clear()
         if self.measure:
-            held = queued_storages(entries)
-            nbytes = sum(b for key, b in held.items() if key not in self._output_grads)
-            self.queued = max(self.queued, nbytes)
+            self.queued = max(self.queued, queued_bytes(entries, leave_out=self._output_grads))
         submod = self.stage.submod
 
         def run_w() -> None:
