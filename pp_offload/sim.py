@@ -15,7 +15,9 @@ Model (the papers'):
   (``Costs.of_stage``) times the same scale, so imbalanced stages (embedding, LM head) are timed as such;
   torch's stage 0 B (`as_executed_by_torch`) takes stage 0's own I + W.
 - Activation memory of a (stage, microbatch) is held from the start of its F until the end of its W
-  (or B): torch keeps saved tensors until W because both I and W unpack them.
+  (or B): torch keeps saved tensors until W because both I and W unpack them. Under deferred weight
+  gradients (``costs.queue``, `pp_offload.runtime.deferred_w`) I frees the saved tensors and only the W
+  queue, ``costs.queue_of(stage)`` of a chunk unit, is held from the end of I to the end of W.
 
 Offload (PipeOffload): an order may also hold ``OFFLOAD``/``RELOAD`` actions per (stage, microbatch). They
 are *issued* when the rank's compute stream reaches them (the end of the compute pass before them) but
@@ -41,7 +43,10 @@ then the rest); units differ in compute, so `LayeredChunk.compute` gives each un
 
 A second OFFLOAD of a chunk after its RELOAD (zero-bubble orders, between I and W: W still needs the
 saved tensors) copies nothing: the host copy is still exact, so the device copy is dropped at once; a
-second RELOAD before W copies it back as the first did.
+second RELOAD before W copies it back as the first did. Under deferred W (``costs.queue``) that pair moves
+the chunk's W queue instead, whole-chunk and layered chunks alike: one copy each way of ``queue`` times the
+chunk's copy time, the OFFLOAD freeing the queue's share when it ends, the RELOAD taking it back when it
+starts, and W waiting for the RELOAD's end.
 """
 
 from __future__ import annotations
@@ -285,7 +290,7 @@ def simulate(
     busy = {r: sum(e - s for _, s, e in timeline[r]) for r in ranks}
     curves, peaks = {}, {}
     for r in ranks:
-        curves[r], peaks[r] = _memory(timeline[r], scale, [])
+        curves[r], peaks[r] = _memory(timeline[r], scale, [], costs)
     makespan = max(clock.values())
     return SimResult(makespan, busy, peaks, timeline, curves, {r: [] for r in ranks}, {r: 0.0 for r in ranks})
 
@@ -312,14 +317,21 @@ def _raise_deadlock(passes, pos, rank_of_stage) -> None:
     )
 
 
-def _memory(timeline, scale: float, extra: list[tuple[float, float]]):
-    """A rank's (curve, peak): F start +scale, W/B end -scale, plus ``extra`` (time, delta) events."""
+def _memory(timeline, scale: float, extra: list[tuple[float, float]], costs: Costs | None = None):
+    """A rank's (curve, peak): F start +scale, W/B end -scale, plus ``extra`` (time, delta) events. Under
+    deferred W (``costs.queue``) I's end frees the chunk but its queue's share, which W's end frees."""
     events = list(extra)
     append = events.append
-    for (_, kind, _), start, finish in timeline:
+    deferred = costs is not None and costs.queue is not None
+    for (stage, kind, _), start, finish in timeline:
         if kind == F:
             append((start, scale))
-        elif kind == W or kind == B:
+        elif kind == B:
+            append((finish, -scale))
+        elif deferred and kind in (I, W):
+            queued = costs.queue_of(stage) * scale
+            append((finish, queued - scale if kind == I else -queued))
+        elif kind == W:
             append((finish, -scale))
     events.sort()  # by time, then delta: frees before allocations at the same instant
     level, peak, curve = 0.0, 0.0, [(0.0, 0.0)]
@@ -418,7 +430,7 @@ class _TransferReplay:
     def __init__(self, ranks, passes, deps, duration, costs, scale, rank_of_stage, lanes) -> None:
         self.ranks, self.passes, self.deps, self.duration = ranks, passes, deps, duration
         self.comm, self.scale, self.rank_of_stage = costs.comm, scale, rank_of_stage
-        self.copy = costs.transfer * scale
+        self.costs, self.copy = costs, costs.transfer * scale
         self.h2d = 0 if lanes == "shared" else 1
         self.found: dict[int, list] = {}
         self.remote: dict[int, list[int]] = {}  # for `rerun`, built once (`_prepare`)
@@ -570,6 +582,13 @@ class _TransferReplay:
                 layer_ready[key] = [now] * spec.layers
             return
         first = last = None
+        queue = self.costs.queue_of(key[0]) if key in reload_end else None
+        if queue is not None:  # deferred W, after I: one copy of the chunk's W queue, needed whole by W
+            first, last = self._queue_copy(r, kind, key, queue * sum(c), queue * self.scale, now)
+            if kind == RELOAD:
+                layer_ready[key] = [last] * spec.layers
+            self.transfers[r].append((action, first, last))
+            return
         if kind == OFFLOAD and key in reload_end:  # again, after I: the host copy is exact, just drop
             for i in range(spec.moved):
                 extra.append((now, -unit))
@@ -605,6 +624,24 @@ class _TransferReplay:
             layer_ready[key] = ready
         self.transfers[r].append((action, first, last))
 
+    def _queue_copy(
+        self, r: int, kind: str, key: tuple[int, int], copy: float, nbytes: float, now: float
+    ) -> tuple[float, float]:
+        """A deferred-W queue's copy between I and W on rank r's lanes: an OFFLOAD frees ``nbytes`` when it
+        ends, a RELOAD takes them when it starts and W waits for its end. Returns (start, end)."""
+        free = self.lane[r]
+        if kind == OFFLOAD:
+            start = max(now, free[0])
+            free[0] = finish = start + copy
+            self.offload_end[key] = finish
+            self.extra[r].append((finish, -nbytes))
+        else:
+            start = max(now, free[self.h2d], self.offload_end[key])
+            free[self.h2d] = finish = start + copy
+            self.reload_end[key] = finish
+            self.extra[r].append((start, nbytes))
+        return start, finish
+
     def _issue(self, r: int) -> None:
         """Issue rank r's transfers that sit before its next compute pass, at its compute clock."""
         todo, i, now, free, at = self.found[r], self.tpos[r], self.clock[r], self.lane[r], self.pos[r]
@@ -620,7 +657,10 @@ class _TransferReplay:
             else:
                 table = offload_end if kind == OFFLOAD else reload_end
                 undo.append((table, key, table.get(key, _MISSING)))
-                if kind == OFFLOAD and key in reload_end:  # again, after I: drop, no copy
+                queue = self.costs.queue_of(stage) if key in reload_end else None
+                if queue is not None:  # deferred W, after I: the copy moves the chunk's W queue
+                    start, finish = self._queue_copy(r, kind, key, queue * copy, queue * scale, now)
+                elif kind == OFFLOAD and key in reload_end:  # again, after I: drop, no copy
                     start = finish = now
                     offload_end[key] = now
                     extra.append((now, -scale))
@@ -727,7 +767,7 @@ class _TransferReplay:
         keeps one needs them only for the one it keeps)."""
         for r in self.ranks:
             result.memory_curve[r], result.peak_memory[r] = _memory(
-                self.timeline[r], self.scale, self.extra[r]
+                self.timeline[r], self.scale, self.extra[r], self.costs
             )
 
 

@@ -3,10 +3,10 @@
 For d = 2 and 3, our V schedules, torch's ZBVZeroBubble and DualPipeV (V placement) and its
 Interleaved1F1B and InterleavedZeroBubble (loop placement) run without offload, with full offload and
 with selective offload of half the chunks; losses and every parameter's gradient must equal a
-single-process reference. At d = 3, V-ZB's full offload also drops chunks between their I and W and
-reloads them for W (checked). The activations are large enough (> the store's 1024-element floor) that
-offload really moves bytes, which the test checks. A RELOAD removed from an order must fail with an
-error naming the chunk.
+single-process reference. At d = 3, V-ZB's full offload also moves chunks' deferred-W queues to host
+memory between their I and W and back for W (checked). The activations are large enough (> the store's
+1024-element floor) that offload really moves bytes, which the test checks. A RELOAD removed from an
+order must fail with an error naming the chunk.
 """
 
 from __future__ import annotations
@@ -86,10 +86,13 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 *((x,) if holds_first else ()),
                 **({"target": y, "losses": losses} if holds_last else {}),
             )
-            moved = drops = 0
+            moved, drops, queues = 0, set(), set()
             if offload is not None:
-                moved = schedule.offload.store.stats().host_pool_bytes  # grows only when chunks go to host
+                store = schedule.offload.store
+                moved = store.stats().host_pool_bytes  # grows only when chunks go to host
                 drops = _drops(schedule.offload.plan.order[rank])
+                # deferred W: a drop between I and W moves the chunk's W queue (its own store chunk)
+                queues = {k[:2] for k, b in store.last_captured.items() if k[2:] == ("queue",) and b > 0}
                 assert schedule.offload.store.resident_bytes() == 0, "chunks left in the store after a step"
             grads = {f"{s}.{n}": p.grad.clone() for s in ids for n, p in model[s].named_parameters()}
             out[(name, offload)] = {
@@ -97,17 +100,19 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 "grads": grads,
                 "moved": moved,
                 "drops": drops,
+                "queues": queues,
             }
     return out
 
 
-def _drops(actions: list) -> int:
-    """OFFLOADs of a chunk already offloaded once: dropped after its I, reloaded again for its W."""
-    seen, drops = set(), 0
+def _drops(actions: list) -> set[tuple[int, int]]:
+    """Chunks offloaded twice: dropped after their I, reloaded again for their W."""
+    seen, drops = set(), set()
     for a in actions:
         if str(getattr(a.computation_type, "value", a.computation_type)) == "OFFLOAD":
             key = (a.stage_index, a.microbatch_index)
-            drops += key in seen
+            if key in seen:
+                drops.add(key)
             seen.add(key)
     return drops
 
@@ -138,8 +143,13 @@ def test_offload_keeps_losses_and_grads(d: int) -> None:
                 assert sum(r[(name, offload)]["moved"] for r in results) > 0, (
                     f"{name} {offload}: no bytes moved"
                 )
-    if d == 3:  # V-ZB keeps chunks from I to W: full offload drops them in between and reloads them for W
-        assert sum(r[("ScheduleVZB", "full")]["drops"] for r in results) > 0
+    if d == 3:  # V-ZB keeps chunks from I to W: full offload moves their W queue in between, back for W
+        drops = set().union(*(r[("ScheduleVZB", "full")]["drops"] for r in results))
+        assert drops
+        # stage 0's one linear reads the user's input, which needs no gradient: its weight gradient is
+        # computed in I and nothing is queued; every other dropped chunk moved its queue
+        queues = set().union(*(r[("ScheduleVZB", "full")]["queues"] for r in results))
+        assert queues == {k for k in drops if k[0] != 0}
 
 
 def _missing_reload_worker(rank: int, world_size: int, m: int) -> None:

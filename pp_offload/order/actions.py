@@ -57,6 +57,14 @@ class Costs:
     ``None``: every stage costs ``F``/``I``/``W``. An entry may carry a fourth number, the time counted in
     both its I and its W that one full backward B runs only once (a recomputation:
     `pp_offload.recompute_plan.recomputations`): that stage's B then takes ``I + W - shared``.
+
+    ``queue`` (optional): deferred weight gradients (`pp_offload.runtime.deferred_w`): the W queue a chunk
+    holds from the end of its I to the end of its W, as a multiple of the chunk's saved activations (one
+    number for every stage, or one per stage index). Under deferred W, I frees the chunk's saved tensors and
+    only the queue waits for W, so the simulator counts that share of a chunk unit from I to W, and a copy
+    between I and W (an offload plan's OFFLOAD after I and its second RELOAD before W) moves the queue:
+    ``queue`` times a chunk's copy time. ``None``: torch's retained-graph split, where the saved tensors live
+    until W and a copy after I just drops the device copy (its host copy is still exact).
     """
 
     F: float = 1.0
@@ -65,6 +73,7 @@ class Costs:
     comm: float = 0.0
     transfer: float = 0.0
     stages: tuple[tuple[float, ...], ...] | None = None
+    queue: float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("F", "I", "W"):
@@ -77,13 +86,15 @@ class Costs:
                 raise ValueError(f"costs[{name!r}] must be >= 0, got {value!r}")
         if self.stages is not None:
             object.__setattr__(self, "stages", _stage_costs(self.stages))
+        if self.queue is not None:
+            object.__setattr__(self, "queue", _queue_ratio(self.queue))
 
     @classmethod
     def coerce(cls, costs: Costs | Mapping[str, float] | None) -> Costs:
         """Accept ``None`` (unit costs), a ``Costs`` or a mapping like ``{"F": 3, "I": 4, "W": 2}``.
 
         Allowed keys: ``F``, ``I``, ``W``, ``comm``, ``transfer``, ``stages`` (a list of ``[F, I, W]``
-        per stage); missing ones keep their defaults.
+        per stage), ``queue`` (a number, or one per stage); missing ones keep their defaults.
         """
         if costs is None:
             return cls()
@@ -93,13 +104,13 @@ class Costs:
             raise TypeError(
                 f"costs must be a mapping like {{'F': 1, 'I': 1, 'W': 1, 'comm': 0}}, got {costs!r}"
             )
-        unknown = set(costs) - {"F", "I", "W", "comm", "transfer", "stages"}
+        unknown = set(costs) - {"F", "I", "W", "comm", "transfer", "stages", "queue"}
         if unknown:
             raise ValueError(
                 f"unknown cost keys {sorted(unknown)}; allowed keys are 'F', 'I', 'W', 'comm', 'transfer', "
-                "'stages'"
+                "'stages', 'queue'"
             )
-        return cls(**{k: v if k == "stages" else float(v) for k, v in costs.items()})
+        return cls(**{k: v if k in ("stages", "queue") else float(v) for k, v in costs.items()})
 
     def of(self, kind: str) -> float:
         """Duration of one pass of ``kind`` (F, I, W or B = I + W) on one chunk."""
@@ -114,6 +125,33 @@ class Costs:
             return self.of(kind)
         f, i, w, *shared = self.stages[stage]
         return {F: f, I: i, W: w, B: i + w - sum(shared)}[kind]
+
+    def queue_of(self, stage: int) -> float | None:
+        """Stage ``stage``'s deferred-W queue as a multiple of its chunk's saved activations (``queue``);
+        None under torch's retained-graph split."""
+        if self.queue is None or isinstance(self.queue, float):
+            return self.queue
+        if stage >= len(self.queue):
+            raise ValueError(
+                f"costs.queue has {len(self.queue)} entries but the order has stage {stage}; give one per "
+                "stage"
+            )
+        return self.queue[stage]
+
+
+def _queue_ratio(queue: object) -> float | tuple[float, ...]:
+    """``queue`` as one float or a tuple (hashable) of floats, each finite and >= 0 (`Costs`)."""
+    values = queue if isinstance(queue, (list, tuple)) else [queue]
+    try:
+        out = tuple(float(v) for v in values)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        out = ()
+    if not out or any(not 0 <= v < float("inf") for v in out) or isinstance(queue, (str, bytes, bool)):
+        raise ValueError(
+            f"costs['queue'] must be a finite number >= 0 (the deferred-W queue over a chunk's saved bytes) "
+            f"or one per stage, got {queue!r}"
+        )
+    return out if isinstance(queue, (list, tuple)) else out[0]
 
 
 def _stage_costs(stages: object) -> tuple[tuple[float, ...], ...]:

@@ -235,6 +235,8 @@ def _plan_whole(
             for c in eligible:
                 if timeline[c.back_index][0][1] == I and c.key in w_of:
                     c.i_index, c.w_index = c.back_index, w_of[c.key]
+                    queue = costs.queue_of(c.key[0])
+                    c.w_copy = None if queue is None else queue * copy
                     c.w_slot = _w_slot(c, timeline, policy.reload_margin, copy)
                     drops = drops or c.w_slot >= 0
         n = _how_many(policy, len(chunks), len(eligible))
@@ -292,6 +294,10 @@ def _plan_budget(
             c.fit = _layers_that_fit(c, c.back_start, policy.reload_margin)
             if timeline[c.back_index][0][1] == I and c.key in w_of:
                 c.i_index, c.w_index = c.back_index, w_of[c.key]
+                queue = costs.queue_of(c.key[0])
+                if queue is not None:  # deferred W: the queue's copy, a share of the whole chunk's
+                    whole = sum(c.layer_copies) if c.layer_copies else c.layer_copy * n
+                    c.w_copy = queue * whole
             mine.append(c)
         chunks[rank] = mine
 

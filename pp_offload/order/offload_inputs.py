@@ -181,9 +181,12 @@ class OffloadInputs:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe; `from_dict` inverts it."""
-        costs = {k: getattr(self.costs, k) for k in ("F", "I", "W", "comm", "transfer")}
+        costs: dict[str, Any] = {k: getattr(self.costs, k) for k in ("F", "I", "W", "comm", "transfer")}
         if self.costs.stages is not None:
             costs["stages"] = [list(s) for s in self.costs.stages]
+        if self.costs.queue is not None:
+            queue = self.costs.queue
+            costs["queue"] = list(queue) if isinstance(queue, tuple) else queue
         return {
             "costs": costs,
             "layers": list(self.layers),
@@ -227,7 +230,8 @@ def activation_peaks(
     ``saved`` when its W (or B) ends; ``held_after_input`` (a ``+once`` recompute plan) is held from the start
     of its I to the end of its W. Under deferred W (``queued`` set) ``saved`` leaves with ``resident`` when I
     ends and ``queued`` is held from there to the end of W instead (the runtime releases such a chunk when its
-    I ends, so the plan's copies of it between I and W move nothing). An offloaded whole chunk's ``saved`` is
+    I ends), and the plan's copies of the chunk between I and W move the queue: off the device from the end
+    of the OFFLOAD after I to the start of the RELOAD before W. An offloaded whole chunk's ``saved`` is
     off the device from the end of its OFFLOAD to the start of its RELOAD; a chunk in ``layered`` (budget
     offload) moves per layer instead: each moved layer's bytes (`StageBytes.moved_bytes`) from the end of its
     own copy out to the start of its own copy back (``sim.layer_transfers``).
@@ -303,10 +307,14 @@ def _events(
         events.append((finish, -nbytes, True) if _kind(action) == OFFLOAD else (start, nbytes, True))
     for action, start, finish in sim.transfers.get(rank, []):
         key = (int(action.stage_index), int(action.microbatch_index))
-        if key in layered or start >= input_end.get(key, math.inf):
-            continue  # counted per layer above, or after a deferred I
-        saved = stage_bytes[int(action.stage_index)].saved
         kind = _kind(action)
+        if start >= input_end.get(key, math.inf):  # deferred W: the pair between I and W moves the queue
+            queued = stage_bytes[int(action.stage_index)].queued or 0
+            events.append((finish, -queued, True) if kind == OFFLOAD else (start, queued, True))
+            continue
+        if key in layered:
+            continue  # counted per layer above
+        saved = stage_bytes[int(action.stage_index)].saved
         if kind == OFFLOAD:
             events.append((finish, -saved, True))
         elif kind == RELOAD:

@@ -113,7 +113,11 @@ def _move_late_layered(
                     moved = True
                 continue
             _, w_start, w_end = timeline[c.w_index]
-            if start > _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start) + _EPS:
+            if c.w_copy is not None:  # deferred W: one copy of the queue, needed whole when W starts
+                latest = w_start - margin * (w_end - w_start) - c.w_copy
+            else:
+                latest = _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start)
+            if start > latest + _EPS:
                 c.w_slot = c.w_slot - 1 if c.w_slot > c.i_index + 1 else -1
                 moved = True
     return moved
@@ -124,11 +128,14 @@ def _w_slot(c: _Chunk, timeline, margin: float, copy: float | None = None) -> in
     the pass before the slot ends) still ends in time, if the chunk then stays off the device at least as
     long as the reload takes; else -1 (it stays on the device from I to W). Budget mode (``copy`` None):
     its moved units, each needed ``margin`` unit-backwards before W reaches it; whole chunks: one copy of
-    ``copy``, ending ``margin`` W-durations before W starts."""
+    ``copy``, ending ``margin`` W-durations before W starts. Deferred W (``c.w_copy`` set): one copy of the
+    chunk's W queue, whatever the policy."""
     if c.i_index < 0 or c.w_index < 0 or c.w_index <= c.i_index + 1:
         return -1
     i_end = timeline[c.i_index][2]
     _, w_start, w_end = timeline[c.w_index]
+    if c.w_copy is not None:  # deferred W: the pair moves the chunk's W queue, which W needs whole
+        copy = c.w_copy
     if copy is None:
         latest = _latest_reload_start(c, c.moved, w_start, margin, w_end - w_start)
         copy = sum(map(c.copy_of, range(c.moved)))
@@ -166,6 +173,8 @@ class _Chunk:
     i_index: int = -1
     w_index: int = -1
     w_slot: int = -1
+    w_copy: float | None = None  # deferred W (`Costs.queue`): the queue's one-way copy time, which the
+    # I-to-W pair moves instead of the chunk (its saved tensors are freed when I ends)
 
     @property
     def lifespan(self) -> float:

@@ -183,7 +183,7 @@ class Setup:
             return self._unit_inputs(unit)
         n = len(self.stages)
         return OffloadInputs(
-            costs=self.costs,
+            costs=self.queue_costs(),
             layers=tuple(self.layers),
             layer_copy=tuple(self._layer_copy(s, unit) for s in range(n)),
             stage_bytes=tuple(
@@ -198,6 +198,14 @@ class Setup:
                 for s, st in enumerate(self.stages)
             ),
         )
+
+    def queue_costs(self) -> Costs:
+        """``costs`` with each stage's deferred-W queue over its saved bytes (`Costs.queue`), so that offload
+        plans time and count the copies between I and W as the queue's (unchanged under torch's split)."""
+        if all(st.activation.queued is None for st in self.stages):
+            return self.costs
+        ratios = tuple((st.activation.queued or 0) / max(st.activation.saved, 1) for st in self.stages)
+        return dataclasses.replace(self.costs, queue=ratios)
 
     def _unit_inputs(self, unit: float) -> OffloadInputs:
         """`offload_inputs` with sub-layer units: per stage the flat list of units, each unit's copy time
@@ -228,7 +236,7 @@ class Setup:
                 )
             )
         return OffloadInputs(
-            costs=self.costs,
+            costs=self.queue_costs(),
             layers=tuple(counts),
             layer_copy=tuple(copies),
             stage_bytes=tuple(stage_bytes),

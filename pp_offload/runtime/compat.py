@@ -80,6 +80,7 @@ __all__ = [
     "stage_backward_input",
     "stage_backward_weight",
     "no_output_kwargs",
+    "pending_weight_pass",
     "skip_self_p2p_warmup",
     "supports_defer_pp_recv",
     "supports_loss_kwargs",
@@ -544,3 +545,9 @@ def receive_buffers(stage: Any) -> list[torch.Tensor]:
                 if isinstance(buffer, torch.Tensor):
                     found.append(buffer)
     return found
+
+
+def pending_weight_pass(stage: Any, microbatch: int) -> Any:
+    """The runner a stage's ``dw_builder`` returned at ``microbatch``'s I, which torch calls at its W (None
+    when that W already ran, or the stage has no builder). torch keeps it in ``stage.dw_runner``."""
+    return getattr(stage, "dw_runner", {}).get(microbatch)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from pp_offload.runtime import compat
+from pp_offload.runtime.store import save_in_capture
 
 __all__ = [
     "all_deferring",
@@ -51,6 +52,7 @@ __all__ = [
     "queued_bytes",
     "queued_storages",
     "refuse_compiled_split",
+    "WeightPass",
 ]
 
 # (weight as the op saw it, layer input, output gradient, transposed) per queued weight gradient, in the
@@ -434,12 +436,57 @@ class _Builder:
         _QUEUE.clear()
         if self.measure:
             self.queued = max(self.queued, queued_bytes(entries, leave_out=self._output_grads))
-        submod = self.stage.submod
+        return WeightPass(self.stage.submod, entries)
 
-        def run_w() -> None:
-            apply_queued_weight_grads(submod.parameters(), entries)
 
-        return run_w
+class WeightPass:
+    """One microbatch's W: the queue its I filled, applied to the stage's parameters when torch calls it.
+
+    Between I and W the activation store may hold the queue in host memory (`offload`, `reload`; the
+    offload runtime does it where the plan has copies between the chunk's I and its W,
+    `pp_offload.runtime.offload`): the queued tensors are then recorded in a store chunk of their own,
+    exactly as autograd's saved tensors are (views counted once, tiny tensors left on the device), and this
+    object keeps only the store's handles, so the device memory goes with the copy."""
+
+    def __init__(self, module: nn.Module, entries: list[Any]) -> None:
+        self.module = module
+        self.entries = entries
+        self._stored: tuple[Any, Any] | None = None  # (store, key) while the queue is a store chunk
+
+    def offload(self, store: Any, key: Any) -> None:
+        """Copy the queue to host memory under store chunk ``key``; device memory freed when it ends. Again
+        after `reload` (before W): the device copy is dropped, the host copy being still exact."""
+        if self._stored is None:
+            with store.capture(key):
+                self.entries = [
+                    (weight, save_in_capture(x), save_in_capture(dy), transposed)
+                    for weight, x, dy, transposed in self.entries
+                ]
+            self._stored = (store, key)
+        store.offload(key)
+
+    def reload(self) -> None:
+        """Copy the queue back to the device (before W)."""
+        if self._stored is None:
+            raise RuntimeError("a deferred-W queue was reloaded before it was offloaded")
+        store, key = self._stored
+        store.reload(key)
+
+    @property
+    def stored_key(self) -> Any:
+        """The store chunk holding the queue, None while it is on the device as I left it."""
+        return None if self._stored is None else self._stored[1]
+
+    def __call__(self) -> None:
+        entries, self.entries = self.entries, []
+        stored, self._stored = self._stored, None
+        try:
+            if stored is not None:
+                entries = [(w, x.get(), dy.get(), t) for w, x, dy, t in entries]
+            apply_queued_weight_grads(self.module.parameters(), entries)
+        finally:
+            if stored is not None:
+                stored[0].release(stored[1])
 
 
 @contextlib.contextmanager

@@ -68,7 +68,7 @@ from pp_offload.order.offload import OffloadPlan, plan_offload, resolve_offload
 from pp_offload.order.offload_inputs import OffloadInputs
 from pp_offload.order.zb_offload import pull_weight_passes
 from pp_offload.runtime import compat
-from pp_offload.runtime.deferred_w import all_deferring
+from pp_offload.runtime.deferred_w import WeightPass, all_deferring
 from pp_offload.runtime.store import ActivationStore
 from pp_offload.sim import as_executed_by_torch
 
@@ -83,6 +83,12 @@ __all__ = [
 
 _DEFAULT_TRANSFER = 0.5
 """One chunk's one-way copy time in F units when costs give none: the paper's k ~ 1 regime."""
+
+_DEFAULT_QUEUE = 1.0
+"""Deferred W, when neither the costs nor planner inputs give it (`Costs.queue`): a chunk's W queue as a
+multiple of its saved activations. Each linear's input and output gradient: 0.7-0.8 of what a Llama layer
+saves without recompute (`pp_offload.plan.memory.queued_bytes`), several times more under recompute, where
+the planner's figures (``inputs=``) give the stage's own."""
 
 
 @dataclass
@@ -99,7 +105,8 @@ class OffloadRuntime:
     _active: Any = field(default=None, repr=False)  # budget: (chunk, layers moved, kept tensors) in its F
     spent: set[tuple[int, int]] = field(default_factory=set)
     """Deferred W: chunks released when their I ended, until their W ends; the plan's copies of them
-    between I and W (made for torch's split, where W reads the saved tensors again) then move nothing."""
+    between I and W then move the chunk's W queue (`pp_offload.runtime.deferred_w.WeightPass`, store key
+    ``(stage, microbatch, "queue")``), which is all that waits for W."""
 
 
 def enable_offload(
@@ -165,8 +172,11 @@ def enable_offload(
         costs = dataclasses.replace(costs, transfer=_DEFAULT_TRANSFER * costs.F)
     # Deferred W (`pp_offload.runtime.deferred_w`): stage 0's I is a real backward and its W the queued
     # GEMMs, so the order runs as written; torch's retained-graph split runs stage 0's backward at W.
+    deferring = all_deferring(stages)
+    if deferring and costs.queue is None and inputs is None:
+        costs = dataclasses.replace(costs, queue=_DEFAULT_QUEUE)
     order = schedule.pipeline_order
-    executed = order if all_deferring(stages) else as_executed_by_torch(order)
+    executed = order if deferring else as_executed_by_torch(order)
     plan = plan_offload(executed, costs, policy, **kwargs)
     if plan.pulled:  # offload-aware order (close_w): run the plan's sequence, W right after I where it moved
         pulled = [key for keys in plan.pulled.values() for key in keys]
@@ -183,9 +193,18 @@ def enable_offload(
         if moved:
             _hook_units(stage, runtime, own[stage.stage_index])
 
+    by_index = {stage.stage_index: stage for stage in stages}
+
+    def weight_pass(key: tuple[int, int]) -> WeightPass | None:
+        found = compat.pending_weight_pass(by_index[key[0]], key[1])
+        return found if isinstance(found, WeightPass) else None
+
     def offload(action: Any, ctx: Any) -> None:
         key = _key(action)
-        if key in runtime.spent:
+        if key in runtime.spent:  # deferred W, between I and W: what waits for W is the queue
+            queued = weight_pass(key)
+            if queued is not None:
+                queued.offload(store, (*key, "queue"))
             return
         if key not in moved:
             store.offload(key)
@@ -208,6 +227,9 @@ def enable_offload(
     def reload(action: Any, ctx: Any) -> None:
         key = _key(action)
         if key in runtime.spent:
+            queued = weight_pass(key)
+            if queued is not None and queued.stored_key is not None:
+                queued.reload()
             return
         if key not in moved:
             store.reload(key)
