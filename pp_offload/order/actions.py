@@ -59,8 +59,9 @@ class Costs:
     `pp_offload.recompute_plan.recomputations`): that stage's B then takes ``I + W - shared``.
 
     ``queue`` (optional): deferred weight gradients (`pp_offload.runtime.deferred_w`): the W queue a chunk
-    holds from the end of its I to the end of its W, as a multiple of the chunk's saved activations (one
-    number for every stage, or one per stage index). Under deferred W, I frees the chunk's saved tensors and
+    holds from the end of its I to the end of its W, as a multiple of the bytes one ``transfer`` copies (a
+    chunk's saved activations; the planner uses the largest stage's), one number for every stage or one per
+    stage index. Under deferred W, I frees the chunk's saved tensors and
     only the queue waits for W, so the simulator counts that share of a chunk unit from I to W, and a copy
     between I and W (an offload plan's OFFLOAD after I and its second RELOAD before W) moves the queue:
     ``queue`` times a chunk's copy time. ``None``: torch's retained-graph split, where the saved tensors live

@@ -200,12 +200,15 @@ class Setup:
         )
 
     def queue_costs(self) -> Costs:
-        """``costs`` with each stage's deferred-W queue over its saved bytes (`Costs.queue`), so that offload
-        plans time and count the copies between I and W as the queue's (unchanged under torch's split)."""
+        """``costs`` with each stage's deferred-W queue (`Costs.queue`), so that offload plans time and count
+        the copies between I and W as the queue's (unchanged under torch's split). The unit is the largest
+        stage's saved bytes: what ``costs.transfer`` copies and what the simulator's chunk units weigh."""
         if all(st.activation.queued is None for st in self.stages):
             return self.costs
-        ratios = tuple((st.activation.queued or 0) / max(st.activation.saved, 1) for st in self.stages)
-        return dataclasses.replace(self.costs, queue=ratios)
+        unit = max(1, max(st.activation.saved for st in self.stages))
+        return dataclasses.replace(
+            self.costs, queue=tuple((st.activation.queued or 0) / unit for st in self.stages)
+        )
 
     def _unit_inputs(self, unit: float) -> OffloadInputs:
         """`offload_inputs` with sub-layer units: per stage the flat list of units, each unit's copy time
