@@ -53,10 +53,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from pp_offload.order.actions import OFFLOAD, RELOAD, B, Costs, F, I, W
+from pp_offload.order.torch_execution import as_executed_by_torch as as_executed_by_torch  # re-exported
+from pp_offload.order.transfer_checks import OffloadOrderError as OffloadOrderError  # re-exported
+from pp_offload.order.transfer_checks import check_transfers
 
 _COMPUTE = (F, I, W, B)
 _TRANSFER = (OFFLOAD, RELOAD)
@@ -209,11 +211,6 @@ class OrderDeadlockError(ValueError):
     """Raised when no rank can make progress: a dependency is missing or ordered after its user."""
 
 
-class OffloadOrderError(ValueError):
-    """Raised when OFFLOAD/RELOAD actions are misplaced: a backward pass would need activations that
-    are in host memory, a RELOAD has no OFFLOAD before it, an OFFLOAD comes before its F..."""
-
-
 def simulate(
     order: Mapping[int, Iterable[Any]],
     costs: Costs | Mapping[str, float] | None = None,
@@ -344,69 +341,15 @@ def _memory(timeline, scale: float, extra: list[tuple[float, float]], costs: Cos
     return curve, peak
 
 
-def _check_transfers(rank: int, passes, transfers) -> None:
-    """Walk one rank's actions in order and check every chunk's device/host state.
-
-    A chunk is on the device from its F; OFFLOAD moves it to the host, RELOAD back; I, B and W need it
-    on the device, and W (or B) frees it. Any other sequence is an `OffloadOrderError` naming the chunk.
-    """
-    state: dict[tuple[int, int], str] = {}
-    t = 0
-    for index in range(len(passes) + 1):
-        while t < len(transfers) and transfers[t][0] == index:
-            _, action, kind, stage, mb = transfers[t]
-            t += 1
-            now = state.get((stage, mb))
-            where = f"rank {rank}: {action}"
-            if kind == OFFLOAD:
-                if now is None:
-                    raise OffloadOrderError(
-                        f"{where} comes before {stage}F{mb} on this rank: a chunk can be offloaded only "
-                        f"after its forward ran on the rank that holds stage {stage}"
-                    )
-                if now == "host":
-                    raise OffloadOrderError(
-                        f"{where}: stage {stage}, microbatch {mb} is already offloaded; "
-                        f"insert {stage}RELOAD{mb} between the two OFFLOADs or drop one"
-                    )
-                if now == "freed":
-                    raise OffloadOrderError(
-                        f"{where} comes after the last backward of stage {stage}, microbatch {mb}, "
-                        f"which already freed its activations; move it between {stage}F{mb} and the backward"
-                    )
-                state[(stage, mb)] = "host"
-            else:
-                if now != "host":
-                    raise OffloadOrderError(
-                        f"{where}: stage {stage}, microbatch {mb} is not offloaded at this point "
-                        f"(no {stage}OFFLOAD{mb} before it); a RELOAD must follow its chunk's OFFLOAD"
-                    )
-                state[(stage, mb)] = "device"
-        if index == len(passes):
-            break
-        stage, kind, mb = passes[index]
-        key = (stage, mb)
-        if kind == F:
-            state[key] = "device"
-        elif state.get(key) == "host":
-            raise OffloadOrderError(
-                f"rank {rank}: {stage}{kind}{mb} needs the activations of stage {stage}, microbatch {mb}, "
-                f"but they were offloaded ({stage}OFFLOAD{mb}) and no {stage}RELOAD{mb} comes before "
-                f"{stage}{kind}{mb}; insert the RELOAD before the chunk's first backward pass"
-            )
-        elif kind in (W, B):
-            state[key] = "freed"
-
-
 def _simulate_with_transfers(
     ranks, passes, found, deps, duration, costs, scale, rank_of_stage, lanes, layered, *, check=True
 ):
     """`simulate`'s replay for orders with OFFLOAD/RELOAD: the same compute model plus copy lanes.
-    ``check=False``: the transfers are known to be well placed (`_check_transfers` would pass), as
-    `pp_offload.order.offload_replay` builds them."""
+    ``check=False``: the transfers are known to be well placed (`pp_offload.order.transfer_checks.
+    check_transfers` would pass), as `pp_offload.order.offload_replay` builds them."""
     if check:
         for r in ranks:
-            _check_transfers(r, passes[r], found[r])
+            check_transfers(r, passes[r], found[r])
     replay = _TransferReplay(ranks, passes, deps, duration, costs, scale, rank_of_stage, lanes)
     return replay.run(found, layered)
 
@@ -769,33 +712,3 @@ class _TransferReplay:
             result.memory_curve[r], result.peak_memory[r] = _memory(
                 self.timeline[r], self.scale, self.extra[r], self.costs
             )
-
-
-def as_executed_by_torch(order: Mapping[int, Iterable[Any]]) -> dict[int, list[Any]]:
-    """``order`` as torch's runtime executes it: stage 0's I actions dropped, its W actions run as B.
-
-    With split backward, torch's first stage computes nothing at I (there is no input gradient to send)
-    and runs one full backward at its W, so simulating this rewrite predicts real runs better than the
-    papers' model, where stage 0's I and W cost what any stage's do. Works on torch ``_Action``
-    (sub-actions of OVERLAP_F_B included) and on ``pp_offload.order.Action``.
-    """
-
-    def convert(action):
-        if action is None:
-            return None
-        subs = getattr(action, "sub_actions", None)
-        if subs:
-            new_subs = tuple(a for a in (convert(s) for s in subs) if a is not None)
-            return action._replace(sub_actions=new_subs)
-        kind = str(getattr(action.computation_type, "value", action.computation_type))
-        if action.stage_index != 0 or kind not in ("I", "W"):
-            return action
-        if kind == "I":
-            return None
-        ctype = action.computation_type
-        return action._replace(computation_type=type(ctype)("B") if isinstance(ctype, Enum) else "B")
-
-    out: dict[int, list[Any]] = {}
-    for rank, actions in order.items():
-        out[rank] = [c for c in (convert(a) for a in actions) if c is not None]
-    return out
