@@ -160,54 +160,21 @@ def test_uniform_masks_are_contiguous_tensors_for_packed_and_unpacked_rows() -> 
     assert not torch.equal(plain, documents)
 
 
-def _keyed_dropout_run(recompute: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """GPT-2 with its default dropout 0.1, keyed (`pp_offload.runtime.dropout_keys`), decoder layers compiled
-    (``aot_eager``): unsplit one microbatch at a time (``recompute`` None), else split in 4 stages under
-    ``recompute``, forwards in a shuffled microbatch order and backwards in reverse. Losses and gradients."""
-    from test_dropout_keys import SEED, M, _batch, _loss, _model
-
-    from pp_offload.models.split import chain_stages, split_model
-    from pp_offload.runtime.dropout_keys import DropoutKeys, key_dropout
-
-    model = _model()
-    keys = DropoutKeys(seed=SEED)
-    x, y = _batch(M)
-    if recompute is None:
-        key_dropout(model, keys)
-        compile_layers([model], CompileOptions(backend="aot_eager"))
-        losses = []
-        for j in range(M):
-            with keys.running(j):
-                loss = _loss(model(input_ids=x[j : j + 1]).logits, y[j : j + 1])
-                loss.backward()
-            losses.append(loss.item())
-    else:
-        split = split_model(model, num_stages=4, stage_indices=[0, 1, 2, 3], verify=False)
-        if recompute != "none":
-            activation_checkpointing(split, mode=recompute)
-        key_dropout(split, keys)
-        compile_layers(split.stages.values(), CompileOptions(backend="aot_eager"))
-        order, by_mb = [2, 0, 3, 1], {}
-        torch.manual_seed(42)  # any surrounding state
-        for j in order:
-            with keys.running(j):
-                logits, _ = chain_stages(list(split.stages.values()), x[j : j + 1])
-                by_mb[j] = _loss(logits, y[j : j + 1])
-        for j in reversed(order):
-            with keys.running(j):
-                by_mb[j].backward()
-        losses = [by_mb[j].item() for j in range(M)]
-    return losses, {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_keyed_dropout_under_compile_is_the_unsplit_compiled_models(recompute: str) -> None:
-    """Compiled layers draw their dropout masks from the keyed generator state (the keying hooks stay eager,
-    outside the compiled forward), so a split run in any order, recomputing or not, gives the unsplit
+    """GPT-2 with its default dropout 0.1, keyed (`pp_offload.runtime.dropout_keys`), decoder layers compiled
+    (``aot_eager``): the keying hooks stay eager, outside the compiled forward, so compiled layers draw their
+    masks from the keyed generator state and a split run in any order, recomputing or not, gives the unsplit
     compiled model's losses and gradients. Inductor, measured the same way: worst rel 6.4e-8 under none,
     full and selective (its masks differ from eager's, as its random kernels are its own)."""
-    ref_losses, ref_grads = _keyed_dropout_run(None)
-    losses, grads = _keyed_dropout_run(recompute)
+    from test_dropout_keys import split_run, unsplit_run
+
+    def compiled(modules: Any) -> None:
+        compile_layers(modules, CompileOptions(backend="aot_eager"))
+
+    ref_losses, reference = unsplit_run(compiled)
+    losses, model = split_run(recompute, compiled)
     assert losses == ref_losses
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    ref_grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)

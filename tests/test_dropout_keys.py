@@ -139,23 +139,30 @@ def test_unkeyed_dropout_is_named() -> None:
     assert {s for s, _ in dropout_sites(model)} == {0, 1, 2, 3, EMBEDDING}
 
 
-@pytest.mark.parametrize("recompute", ["none", "full", "selective", "mlp", "selective:0.5,mlp"])
-def test_split_stages_in_any_order_give_the_unsplit_losses_and_grads(recompute: str) -> None:
-    """Chained stages under a recompute plan, forwards in a shuffled microbatch order and backwards in
-    reverse: the unsplit model's losses exactly and its gradients."""
-    from pp_offload.models.split import chain_stages, split_model
-    from pp_offload.parallel import activation_checkpointing
-
-    reference = _model()
+def unsplit_run(prepare: Any = None) -> tuple[list[float], nn.Module]:
+    """The unsplit model, keyed, one microbatch at a time: its losses and the model (its gradients).
+    ``prepare``: called on the model's modules after keying (tests/test_compile.py compiles them)."""
+    model = _model()
     keys = DropoutKeys(seed=SEED)
-    key_dropout(reference, keys)
+    key_dropout(model, keys)
+    if prepare is not None:
+        prepare([model])
     x, y = _batch(M)
-    ref_losses = []
+    losses = []
     for j in range(M):
         with keys.running(j):
-            loss = _loss(reference(input_ids=x[j : j + 1]).logits, y[j : j + 1])
+            loss = _loss(model(input_ids=x[j : j + 1]).logits, y[j : j + 1])
             loss.backward()
-        ref_losses.append(loss.item())
+        losses.append(loss.item())
+    return losses, model
+
+
+def split_run(recompute: str, prepare: Any = None) -> tuple[list[float], nn.Module]:
+    """The model split in 4 chained stages under ``recompute``, keyed, forwards in a shuffled microbatch
+    order and backwards in reverse: its losses and the model. ``prepare``: as for `unsplit_run`, on the
+    stages."""
+    from pp_offload.models.split import chain_stages, split_model
+    from pp_offload.parallel import activation_checkpointing
 
     model = _model()
     split = split_model(model, num_stages=4, stage_indices=[0, 1, 2, 3], verify=False)
@@ -163,6 +170,9 @@ def test_split_stages_in_any_order_give_the_unsplit_losses_and_grads(recompute: 
         activation_checkpointing(split, mode=recompute)
     keys = DropoutKeys(seed=SEED)
     assert len(key_dropout(split, keys)) == 5
+    if prepare is not None:
+        prepare(list(split.stages.values()))
+    x, y = _batch(M)
     losses: dict[int, torch.Tensor] = {}
     order = [2, 0, 3, 1]
     torch.manual_seed(42)  # any surrounding state
@@ -173,7 +183,16 @@ def test_split_stages_in_any_order_give_the_unsplit_losses_and_grads(recompute: 
     for j in reversed(order):
         with keys.running(j):
             losses[j].backward()
-    assert [losses[j].item() for j in range(M)] == ref_losses
+    return [losses[j].item() for j in range(M)], model
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective", "mlp", "selective:0.5,mlp"])
+def test_split_stages_in_any_order_give_the_unsplit_losses_and_grads(recompute: str) -> None:
+    """Chained stages under a recompute plan, forwards in a shuffled microbatch order and backwards in
+    reverse: the unsplit model's losses exactly and its gradients."""
+    ref_losses, reference = unsplit_run()
+    losses, model = split_run(recompute)
+    assert losses == ref_losses
     ref_grads = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, ref_grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
