@@ -187,7 +187,7 @@ quick() {  # quick PART: `quick` (rank 0, everything) or `quick-last` (the repla
         fi
         step_part env 45 "$PY" - "$OUT/${name}_env.json" <<<"$ENV_PY"
         if [ $CUDA = 1 ]; then
-            step_part store 75 "$PY" -m pytest -q -p no:cacheprovider tests/test_store.py -k cuda -ra
+            step_part store 75 "$PY" -m pytest -q -p no:cacheprovider tests/test_store.py tests/test_queue_offload.py -k cuda -ra
         else
             skip_part store "skipped: no CUDA"
         fi
@@ -242,7 +242,7 @@ for name in ("transformers", "accelerate", "peft", "datasets", "safetensors", "m
 EOF
     ;;
 store)
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_store.py -k cuda -ra 2>&1 \
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_store.py tests/test_queue_offload.py -k cuda -ra 2>&1 \
         | tee "$OUT/store_tests.log"
     ;;
 replay)

@@ -153,7 +153,7 @@ def test_quick_session_dry_run_checks_the_cuda_command_lines(tmp_path: Path) -> 
     parts = {p["part"]: p for p in json.loads((tmp_path / "quick.json").read_text())["parts"]}
     assert list(parts) == PARTS
     assert [parts[n]["status"] for n in ("nvidia-smi", "env", "store")] == ["dry-run"] * 3
-    assert "tests/test_store.py -k cuda" in parts["store"]["command"]
+    assert "tests/test_store.py tests/test_queue_offload.py -k cuda" in parts["store"]["command"]
     for name in ("sync-check", "replay", "replay-compiled"):
         assert parts[name]["status"] == "ok"
         assert "--seq 4096 --microbatches 8 --pp 4 --steps 3" in parts[name]["command"]

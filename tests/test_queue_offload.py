@@ -135,9 +135,14 @@ def _backward(model: nn.Module, x: torch.Tensor) -> None:
     model(x).square().mean().backward()
 
 
-def test_a_queue_offloaded_between_i_and_w_gives_the_same_bits_and_frees_its_tensors() -> None:
-    x = torch.randn(32, 16, requires_grad=True)
-    ref = _Mlp()
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))],
+)
+def test_a_queue_offloaded_between_i_and_w_gives_the_same_bits_and_frees_its_tensors(device: str) -> None:
+    """CUDA: pinned host buffers, copies on the store's streams, W waiting on the reload's event."""
+    x = torch.randn(32, 16, device=device, requires_grad=True)
+    ref = _Mlp().to(device)
     _backward(ref, x)
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
@@ -148,7 +153,7 @@ def test_a_queue_offloaded_between_i_and_w_gives_the_same_bits_and_frees_its_ten
     weight_pass = stage.dw_builder()  # what torch calls at W
     assert isinstance(weight_pass, WeightPass) and len(weight_pass.entries) == 2
     queued = weakref.ref(weight_pass.entries[1][1])  # down's input: an intermediate only the queue holds
-    store = ActivationStore("cpu", min_numel=0)
+    store = ActivationStore(device, min_numel=0)
     key = (0, 0, "queue")
     weight_pass.offload(store, key)
     gc.collect()
@@ -157,6 +162,8 @@ def test_a_queue_offloaded_between_i_and_w_gives_the_same_bits_and_frees_its_ten
     assert model.up.weight.grad is None  # W has not run
     weight_pass.reload()
     weight_pass()
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert store.state(key) is None  # released after W
     for name, p in ref.named_parameters():
         assert torch.equal(dict(model.named_parameters())[name].grad, p.grad), name
