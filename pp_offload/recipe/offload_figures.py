@@ -65,6 +65,7 @@ def planner_offload_inputs(
                 dp_shard=dp > 1,
                 lora_rank=config.lora.r if config.lora is not None else 0,
                 layers_per_stage=layers_per_stage,
+                deferred_w=spec.deferred_w,
             )
         except ValueError as error:  # a config or schedule the planner does not model
             reason = f"the planner cannot model this run ({error})"
