@@ -339,3 +339,20 @@ def test_torchs_split_trains_the_default_runs_losses_on_v_half(tmp_path: Path) -
     for (deferred, deferred_built), (torch_split, torch_built) in results:
         assert deferred_built == [(True, True)] and torch_built == [(False, False)]
         assert len(deferred) == 3 and deferred == torch_split
+
+
+def test_when_nothing_fits_under_deferred_w_torchs_split_is_suggested_where_it_fits() -> None:
+    from pp_offload.plan import plan
+    from pp_offload.plan.planner import PlanError
+    from pp_offload.plan.result import GIB
+
+    kw = {"seq_len": 256, "microbatch_size": 1, "num_microbatches": 4, "pp": 2, "jobs": 1, "reserve_gib": 0.0}
+    kw |= {"schedules": ["ScheduleVMin", "ScheduleVHalf"], "offload": ["none"], "recompute": ["full"]}
+    peak = {dw: min(c.peak_bytes for c in plan(TINY, deferred_w=dw, **kw).candidates) for dw in (True, False)}
+    assert peak[False] < peak[True]
+    between = (peak[False] + peak[True]) / 2 / GIB
+    with pytest.raises(
+        PlanError, match=r"What would fit: torch's retained-graph split, i\.e\. --split torch"
+    ):
+        plan(TINY, gpu_memory_gib=between, **kw)
+    plan(TINY, gpu_memory_gib=between, deferred_w=False, **kw)  # fits

@@ -10,7 +10,8 @@ so the offload policies of a schedule that fits without offload, and the recompu
 that fits without either, are only replayed on request (``evaluate_dominated``). The
 recommendation is the first candidate that fits, with the reason; when none fits, `PlanError` says by how
 much the closest one misses and which single change would fit (more pipeline stages, a smaller
-microbatch, sharded optimizer state, full offload, a larger GPU), each sized by the same model.
+microbatch, sharded optimizer state, full offload, torch's retained-graph split, a larger GPU), each sized
+by the same model.
 
 Memory per rank = parameters + gradients + optimizer state of the rank's stages (`pp_offload.plan.memory`)
 + torch's per-microbatch receive buffers + the simulated activation peak (offload included) + a transient
@@ -416,8 +417,16 @@ def _suggestions(
         "pp": pp,
         "dp": dp,
         "dp_shard": dp_shard,
+        "deferred_w": deferred_w,
     }
     variants: list[tuple[str, dict[str, Any]]] = []
+    if deferred_w:  # with recompute, torch's split holds the saved tensors from I to W, not the queue
+        variants.append(
+            (
+                "torch's retained-graph split, i.e. --split torch or pipeline.deferred_w: false",
+                {"deferred_w": False},
+            )
+        )
     if "full" not in policies:
         variants.append(("full activation offload", {}))
     if microbatch_size > 1:
@@ -449,8 +458,8 @@ def _suggestions(
                 search="memory",
                 reserve_gib=reserve_gib,
                 suggest=False,
+                compare_split=False,
                 jobs=1,
-                deferred_w=deferred_w,
             )
         except PlanError:
             continue
