@@ -204,6 +204,27 @@ def test_auto_measurement_carries_the_split_and_round_trips() -> None:
     assert predicted_measurement(TINY, **SETTING).deferred_w is True
 
 
+@pytest.mark.parametrize("deferred_w", [True, False])
+def test_a_probe_knows_the_split_its_stages_ran(deferred_w: bool) -> None:
+    """`measure_step`'s summary: stages that deferred their weight gradients report their queues; a probe
+    on torch's split reports none, and its measurement says so."""
+    from pp_offload.plan.probe import _summarize
+
+    events = [(f"{s}{kind}0", 0.001) for s in range(4) for kind in ("F", "I", "W")]
+    parts = [
+        {
+            "events": events,
+            "bytes": [(s, 0, 1 << 20) for s in range(4)],
+            "comm": 0.0,
+            "queued": {s: 1 << 19 for s in range(4)} if deferred_w else {},
+        }
+    ]
+    kw = {"num_ranks": 2, "num_microbatches": 1, "steps": 1, "copies_overlap": False, "device": "cpu"}
+    measured = _summarize(parts, **kw)
+    assert measured.deferred_w is deferred_w
+    assert [st.queued_bytes for st in measured.stages] == [(1 << 19) if deferred_w else None] * 4
+
+
 def test_the_recipes_budget_figures_follow_the_key() -> None:
     from transformers import LlamaConfig
 
@@ -276,6 +297,10 @@ def test_plan_without_recompute_or_split_backward_weighs_nothing() -> None:
     assert plan(TINY, schedules=["ScheduleVHalf"], recompute=["none"], **kw).other_split is None
     looped = plan(TINY, schedules=["ScheduleInterleaved1F1B"], recompute=["full"], **kw)
     assert looped.recommended.recompute == "full" and looped.other_split is None
+    # one backward per microbatch: torch's split changes nothing there, time or memory
+    same = plan(TINY, schedules=["ScheduleInterleaved1F1B"], recompute=["full"], deferred_w=False, **kw)
+    for a, b in zip(looped.candidates, same.candidates, strict=True):
+        assert (a.step_time, a.activation, a.memory) == (pytest.approx(b.step_time), b.activation, b.memory)
     with pytest.raises(TypeError, match="deferred_w must be True"):
         plan(TINY, schedules=["ScheduleVHalf"], deferred_w="torch", **kw)
 
