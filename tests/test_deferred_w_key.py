@@ -225,7 +225,7 @@ def test_a_probe_knows_the_split_its_stages_ran(deferred_w: bool) -> None:
     assert [st.queued_bytes for st in measured.stages] == [(1 << 19) if deferred_w else None] * 4
 
 
-def test_the_recipes_budget_figures_follow_the_key() -> None:
+def test_the_recipes_budget_figures_follow_the_key(capsys: pytest.CaptureFixture[str]) -> None:
     from transformers import LlamaConfig
 
     from pp_offload.recipe.offload_figures import planner_offload_inputs
@@ -244,9 +244,11 @@ def test_the_recipes_budget_figures_follow_the_key() -> None:
             dp=1,
             layers_per_stage=[2, 2, 2, 2],
             device=__import__("torch").device("cpu"),
-            log=False,
+            log=True,
         )
         figures[deferred_w] = inputs
+        said = capsys.readouterr().out
+        assert ("under torch's retained-graph split" in said) is not deferred_w and "planner's" in said
     assert all(b.queued is None for b in figures[False].stage_bytes)
     assert all(b.queued for b in figures[True].stage_bytes[1:])
     assert figures[False].costs.W > figures[True].costs.W  # W recomputes under torch's split
