@@ -136,8 +136,8 @@ RECOMPUTE_FORMS: tuple[RecomputeForm, ...] = (
         "selective+once",
         "Accepted, no longer needed: with deferred weight gradients (the default of every split-backward "
         "schedule) every plan recomputes once per microbatch. Under torch's retained-graph split "
-        "(deferred_w=False) the input-gradient pass keeps what it recomputed for the weight pass instead "
-        "of each pass recomputing.",
+        "(pipeline.deferred_w: false) the input-gradient pass keeps what it recomputed for the weight pass "
+        "instead of each pass recomputing.",
         "Not by default: under deferred W it prices as the same plan without +once; the pickers weigh it "
         "only when listed.",
     ),

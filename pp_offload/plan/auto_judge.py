@@ -110,6 +110,7 @@ def _setup(measurement: Measurement, schedule: str, m: int) -> Setup:
         layers_bytes=[list(st.layer_bytes) for st in measurement.stages] if units_known else [],
         units_bytes=[list(st.units) for st in measurement.stages] if units_known else [],
         unit_shares=measurement.unit_shares if units_known else (0.5, 0.5),
+        deferred_w=measurement.deferred_w,
     )
 
 

@@ -169,6 +169,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ")",
     )
     p.add_argument(
+        "--split",
+        default="deferred",
+        choices=("deferred", "torch"),
+        help="how split-backward schedules split backward: deferred (weight gradients deferred to W, the "
+        "runtime's default: each linear's input and output gradient held from I to W, a checkpointed "
+        "layer run twice) or torch (torch's retained-graph split, the recipe's pipeline.deferred_w: false: "
+        "the saved tensors held from I to W, a checkpointed layer run 3 times, eager only); default: "
+        "deferred. The pick's figures under the other split are printed beside it when it recomputes",
+    )
+    p.add_argument(
         "--within",
         type=float,
         default=None,
@@ -245,6 +255,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         "evaluate_dominated": args.all_offload,
         "jobs": args.jobs,
         "progress": not args.quiet,
+        "deferred_w": args.split == "deferred",
     }
     status = 0
     try:
@@ -308,6 +319,7 @@ def _within_from_args(args: argparse.Namespace) -> int:
             "dp": args.dp,
             "dp_shard": args.dp_shard,
             "lora_rank": args.lora_rank,
+            "deferred_w": args.split == "deferred",
         }
         names = [canonical_schedule(s) for s in args.schedules or ["ScheduleVHalf"]]
         found = {

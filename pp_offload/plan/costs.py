@@ -136,11 +136,13 @@ def stage_times(
     microbatch_size: int,
     seq_len: int,
     recompute: str = "none",
+    deferred_w: bool = True,
 ) -> PassTimes:
     """Seconds of one stage's F, I and W passes for one microbatch; with ``recompute``, each pass includes
     the recomputations of the stage's recomputed layers (all of them, or the plan's share: module doc) that
-    the runtime makes in it (`pp_offload.recompute_plan.recomputations`: I and W one each, the first stage's
-    I none), and ``shared`` the one a full backward makes instead of two."""
+    the runtime makes in it (`pp_offload.recompute_plan.recomputations`: under deferred W (``deferred_w``,
+    the runtime's default) one in I and none in W; under torch's retained-graph split I and W one each, the
+    first stage's I none), and ``shared`` the one a full backward makes instead of two."""
     p = precision(dtype)
     per_token = layer_flops(spec, seq_len=seq_len).scaled(layers)
     if last:
@@ -149,8 +151,9 @@ def stage_times(
     kw = {"microbatch_size": microbatch_size, "seq_len": seq_len}
     plan = parse_recompute(recompute)
     extra = sum(recompute_seconds(spec, machine, p, recompute=mode, **kw) for mode in plan.modes(layers))
-    at_i, at_w = (recomputations(kind, first_stage=first, once=plan.once) for kind in ("I", "W"))
-    shared = extra * (at_i + at_w - recomputations("B", first_stage=first, once=plan.once))
+    rule = {"first_stage": first, "once": plan.once, "deferred_w": deferred_w}
+    at_i, at_w = (recomputations(kind, **rule) for kind in ("I", "W"))
+    shared = extra * (at_i + at_w - recomputations("B", **rule))
     return PassTimes(times.F, times.I + extra * at_i, times.W + extra * at_w, shared)
 
 

@@ -144,6 +144,11 @@ class Setup:
     (`pp_offload.plan.memory.layers_unit_bytes`): what ``granularity="sublayer"`` moves per unit."""
     unit_shares: tuple[float, float] = (0.5, 0.5)
     """A split layer's attention and MLP halves' shares of its passes (`pp_offload.plan.costs`)."""
+    deferred_w: bool = True
+    """How split-backward stages split their backward (`pp_offload.runtime.deferred_w`): deferred weight
+    gradients, the runtime's default (orders run as written, stage 0's I a real backward), or torch's
+    retained-graph split (``False``: `build_orders` rewrites stage 0's I and W as the whole backward torch
+    runs at W, `pp_offload.sim.as_executed_by_torch`)."""
 
     def moved_layer_bytes(self, stage: int, moved: int, granularity: str = "layer") -> int:
         """Bytes the first ``moved`` layers (or sub-layer units) of ``stage`` carry (budget offload moves
@@ -289,7 +294,9 @@ def setup_schedule(
     save (and what budget offload moves per layer) and lengthens their I and W passes.
     ``layers_per_stage``: the split a pipeline was built with, instead of the planner's balanced one.
     ``deferred_w``: split-backward stages queue their weight gradients' inputs from I to W (the runtime's
-    default, `pp_offload.plan.memory.queued_bytes`); ``False`` models torch's retained-graph split."""
+    default, `pp_offload.plan.memory.queued_bytes`) and recompute in I only; ``False`` models torch's
+    retained-graph split (saved tensors until W, a recomputation in I and another in W, stage 0's backward
+    whole at W): the recipe's ``pipeline.deferred_w``, ``pp-offload plan --split``."""
     lay = layout(schedule, pp, virtual_stages=virtual_stages)
     n = lay.num_stages
     if layers_per_stage is None:
@@ -305,10 +312,13 @@ def setup_schedule(
     stages = []
     for s, count in enumerate(layers):
         first, last = s == 0, s == n - 1
-        kw: dict[str, Any] = {"microbatch_size": microbatch_size, "seq_len": seq_len, "recompute": recompute}
-        activation = chunk_activation(
-            spec, precision, layers=count, first=first, last=last, deferred_w=deferred_w, **kw
-        )
+        kw: dict[str, Any] = {
+            "microbatch_size": microbatch_size,
+            "seq_len": seq_len,
+            "recompute": recompute,
+            "deferred_w": deferred_w,
+        }
+        activation = chunk_activation(spec, precision, layers=count, first=first, last=last, **kw)
         stages.append(
             StageProfile(
                 layers=count,
@@ -401,6 +411,7 @@ def setup_schedule(
         layers_bytes=layers_bytes,
         units_bytes=units_bytes,
         unit_shares=layer_unit_shares(spec, seq_len=seq_len),
+        deferred_w=deferred_w,
     )
 
 
@@ -537,6 +548,8 @@ class OrderSet:
 
 
 def build_orders(setup: Setup, sizes: list[int], *, search: str, virtual_stages: int) -> OrderSet:
+    from pp_offload.sim import as_executed_by_torch
+
     out = OrderSet(sizes, search=search, virtual_stages=virtual_stages)
     start = time.perf_counter()
     try:
@@ -550,9 +563,9 @@ def build_orders(setup: Setup, sizes: list[int], *, search: str, virtual_stages:
                 memory_cap=setup.memory_cap,
                 virtual_stages=virtual_stages,
             )
-            # as the runtime executes it: split-backward schedules defer weight gradients
-            # (`pp_offload.runtime.deferred_w`): stage 0's I is a real backward, the order runs as written
-            out.orders[size] = order
+            # as the runtime executes it: under deferred W (`pp_offload.runtime.deferred_w`) stage 0's I is a
+            # real backward and the order runs as written; torch's split runs stage 0's backward whole at W
+            out.orders[size] = order if setup.deferred_w else as_executed_by_torch(order)
     except Exception as e:  # a schedule that cannot be built here is reported, not fatal
         out.error = f"{type(e).__name__}: {e}"
     out.build_seconds = time.perf_counter() - start

@@ -63,14 +63,16 @@ def planner_setup(
     dp_shard: bool = False,
     lora_rank: int = 0,
     layers_per_stage: Sequence[int] | None = None,
+    deferred_w: bool = True,
 ) -> Setup:
     """The planner's `pp_offload.plan.evaluate.Setup` of one schedule in one setting (stages, costs,
     bytes): with `pp_offload.plan.evaluate.build_orders` and `offload_plan`, the offload plan it predicts.
 
     ``layers_per_stage``: the split the pipeline is built with, when it is not the planner's balanced one
     (the runtime checks its stages hold the layers the inputs count). ``recompute``: ``"none"``,
-    ``"selective"`` or ``"full"`` (what ``train.activation_checkpointing`` applies). The rest as for
-    `pp_offload.plan.plan`.
+    ``"selective"`` or ``"full"`` (what ``train.activation_checkpointing`` applies). ``deferred_w``: how
+    split-backward stages split their backward (the recipe's ``pipeline.deferred_w``;
+    `pp_offload.plan.evaluate.setup_schedule`). The rest as for `pp_offload.plan.plan`.
     """
     spec = model_spec(model)
     if lora_rank:
@@ -90,4 +92,5 @@ def planner_setup(
         reserve=0,
         recompute=check_recompute(recompute),
         layers_per_stage=None if layers_per_stage is None else list(layers_per_stage),
+        deferred_w=deferred_w,
     )

@@ -10,7 +10,8 @@ so the offload policies of a schedule that fits without offload, and the recompu
 that fits without either, are only replayed on request (``evaluate_dominated``). The
 recommendation is the first candidate that fits, with the reason; when none fits, `PlanError` says by how
 much the closest one misses and which single change would fit (more pipeline stages, a smaller
-microbatch, sharded optimizer state, full offload, a larger GPU), each sized by the same model.
+microbatch, sharded optimizer state, full offload, torch's retained-graph split, a larger GPU), each sized
+by the same model.
 
 Memory per rank = parameters + gradients + optimizer state of the rank's stages (`pp_offload.plan.memory`)
 + torch's per-microbatch receive buffers + the simulated activation peak (offload included) + a transient
@@ -100,6 +101,8 @@ def plan(
     suggest: bool = True,
     lora_rank: int = 0,
     recompute: Iterable[str] | str | None = None,
+    deferred_w: bool = True,
+    compare_split: bool = True,
 ) -> PlanResult:
     """Evaluate every schedule with every offload policy and recommend one (see the module doc).
 
@@ -137,6 +140,14 @@ def plan(
         Recompute candidates of a schedule that fits without offload and recompute are skipped unless
         ``evaluate_dominated``; a recompute candidate that costs time without lowering the activation peak
         below the plain schedule is marked useless. ``PlanResult.recompute`` is the recommended mode.
+    deferred_w: how split-backward schedules split their backward (the recipe's ``pipeline.deferred_w``,
+        ``pp-offload plan --split``): deferred weight gradients (default: the queue held from I to W,
+        recompute in I only) or torch's retained-graph split (``False``: saved tensors held until W, a
+        recomputation in I and another in W). Schedules without split backward are the same either way.
+    compare_split: when the pick recomputes on a split-backward schedule, also evaluate it (that one
+        schedule, offload policy and recompute plan) under the other split: ``PlanResult.other_split``.
+        Why only then: without recompute deferred W holds less from I to W than torch's split and runs no
+        slower, so there is nothing to weigh; with recompute torch's split may give the lower peak.
     lora_rank: plan LoRA fine-tuning with adapters of this rank on every layer projection (0: all weights
         trained): gradients and optimizer state of the adapters only, and W of the adapters only, which
         leaves zero-bubble schedules little to fill their bubbles with (`pp_offload.plan.costs`).
@@ -159,6 +170,8 @@ def plan(
             raise ValueError(f"{name} must be >= {low}, got {value}{hint}")
     if isinstance(reserve_gib, bool) or not isinstance(reserve_gib, (int, float)) or not reserve_gib >= 0:
         raise ValueError(f"reserve_gib must be a number >= 0, got {reserve_gib!r}")
+    if not isinstance(deferred_w, bool):
+        raise TypeError(f"deferred_w must be True (deferred W) or False (torch's split), got {deferred_w!r}")
     spec = model_spec(model)
     if lora_rank:
         spec = replace(spec, lora_rank=lora_rank)
@@ -191,6 +204,7 @@ def plan(
         "schedules": names,
         "offload": [label for label, _ in policies],
         "recompute": modes,
+        "deferred_w": deferred_w,
     }
     common = {
         "spec": spec,
@@ -204,6 +218,7 @@ def plan(
         "dp_shard": dp_shard,
         "virtual_stages": virtual_stages,
         "reserve": reserve,
+        "deferred_w": deferred_w,
     }
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs must be an int >= 1 or None, got {jobs!r}")
@@ -231,6 +246,17 @@ def plan(
         result.recommended = fitting[0]
         aliases = {n: d["same_orders_as"] for n, d in details.items() if d.get("same_orders_as")}
         result.reason = _reason(fitting[0], ranked, mach.memory_gib, aliases)
+        if compare_split:
+            result.other_split = _under_other_split(
+                fitting[0],
+                model=spec,
+                machine=mach,
+                dtype=prec.name,
+                deferred_w=not deferred_w,
+                **{k: common[k] for k in _SAME_SETTING},
+                search=search,
+                reserve_gib=reserve_gib,
+            )
         return result
     built = [c for c in ranked if c.evaluated]
     if not built:
@@ -253,10 +279,43 @@ def plan(
             virtual_stages=virtual_stages,
             policies=[label for label, _ in policies],
             closest=closest,
+            deferred_w=deferred_w,
         )
         message += " What would fit: " + "; ".join(ideas) + "." if ideas else " No single change tried fits."
     result.reason = message
     raise PlanError(message, result)
+
+
+_SAME_SETTING = ("seq_len", "microbatch_size", "num_microbatches", "pp", "dp", "dp_shard", "virtual_stages")
+
+
+def _under_other_split(pick: Candidate, **setting: Any) -> Candidate | None:
+    """``pick`` planned under the other backward split (``setting["deferred_w"]``), or None where there is
+    nothing to weigh: a pick without recompute, or a schedule without split backward. One schedule, one
+    offload policy and one recompute plan are evaluated, a small share of a whole plan's time."""
+    from pp_offload.runtime.catalog import schedule_info
+
+    if pick.recompute == "none" or not schedule_info(pick.schedule).split_backward:
+        return None
+    try:
+        trial = plan(
+            setting.pop("model"),
+            schedules=(pick.schedule,),
+            offload=(pick.offload,),
+            recompute=(pick.recompute,),
+            suggest=False,
+            compare_split=False,
+            jobs=1,
+            **setting,
+        )
+    except PlanError as error:  # it does not fit under the other split: still its figures
+        trial = error.result
+    except ValueError:  # a policy label that does not read back as a policy ("selective:3 chunks")
+        return None
+    if trial is None:
+        return None
+    found = [c for c in trial.candidates if c.evaluated]
+    return found[0] if found else None
 
 
 def _schedule_names(schedules: Iterable[str] | None) -> list[str]:
@@ -348,6 +407,7 @@ def _suggestions(
     virtual_stages,
     policies,
     closest,
+    deferred_w=True,
 ) -> list[str]:
     """Single changes that would fit, each sized by a memory-only plan of the low-memory schedules."""
     base = {
@@ -357,8 +417,16 @@ def _suggestions(
         "pp": pp,
         "dp": dp,
         "dp_shard": dp_shard,
+        "deferred_w": deferred_w,
     }
     variants: list[tuple[str, dict[str, Any]]] = []
+    if deferred_w:  # with recompute, torch's split holds the saved tensors from I to W, not the queue
+        variants.append(
+            (
+                "torch's retained-graph split, i.e. --split torch or pipeline.deferred_w: false",
+                {"deferred_w": False},
+            )
+        )
     if "full" not in policies:
         variants.append(("full activation offload", {}))
     if microbatch_size > 1:
@@ -390,6 +458,7 @@ def _suggestions(
                 search="memory",
                 reserve_gib=reserve_gib,
                 suggest=False,
+                compare_split=False,
                 jobs=1,
             )
         except PlanError:

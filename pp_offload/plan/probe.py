@@ -148,6 +148,11 @@ class Measurement:
     model's layers (`measure_step`'s ``recompute_modes``, `pp_offload.plan.recompute_calibration`);
     `pp_offload.plan.auto.RecomputeOption.apply` charges it instead of the traffic model's shares. None:
     not measured."""
+    deferred_w: bool = True
+    """Whether the probe's stages deferred their weight gradients to W (`pp_offload.runtime.deferred_w`,
+    the default) or kept torch's retained-graph split (the recipe's ``pipeline.deferred_w: false``): how
+    `pp_offload.plan.auto.RecomputeOption.apply` charges recomputation (in I only, or in I and W) and how
+    the judged orders run stage 0's backward (`pp_offload.plan.evaluate.Setup.deferred_w`)."""
 
     @property
     def units_known(self) -> str | None:
@@ -242,6 +247,7 @@ class Measurement:
             f"{self.steps} step(s) on {self.device}; comm {self.comm * 1e3:.3f} ms; copies "
             f"{'overlap compute' if self.copies_overlap else 'synchronous (add to compute)'}; "
             f"stage 0 I/W {self.first_stage}"
+            + ("" if self.deferred_w else "; torch's retained-graph split (no deferred W)")
         )
         lines = [
             head,
@@ -424,6 +430,7 @@ def predicted_measurement(
     units: bool = True,
     layers_per_stage: Sequence[int] | None = None,
     recompute: str = "none",
+    deferred_w: bool = True,
 ) -> Measurement:
     """The `Measurement` a probe would return for ``model`` on ``machine`` as the planner predicts it:
     pass times from FLOPs, saved bytes per stage (V placement, 2 stages per rank), one copy per layer at
@@ -431,7 +438,8 @@ def predicted_measurement(
     shares. Why: `choose` judged on a GPU-sized model without a GPU (tests, benchmarks, what-ifs, and
     ``--check`` of ``schedule: auto``). ``layers_per_stage``: the split the probe pipeline is built with
     (default: the planner's balanced one), so the figures the pick carries match the stages that run it;
-    ``recompute``: the plan the probe runs with (``train.activation_checkpointing`` when it is set)."""
+    ``recompute``: the plan the probe runs with (``train.activation_checkpointing`` when it is set);
+    ``deferred_w``: the split its stages run (``pipeline.deferred_w``)."""
     from pp_offload.plan.handoff import planner_setup
 
     setup = planner_setup(
@@ -444,6 +452,7 @@ def predicted_measurement(
         machine=machine,
         layers_per_stage=layers_per_stage,
         recompute=recompute,
+        deferred_w=deferred_w,
     )
     stages = tuple(
         StageMeasurement(
@@ -462,7 +471,7 @@ def predicted_measurement(
     )
     shares = unit_shares_for(model, seq_len=seq_len) if units else None
     name = machine if isinstance(machine, str) else getattr(machine, "name", "machine")
-    return Measurement(pp, stages, device=f"planner: {name}", unit_shares=shares)
+    return Measurement(pp, stages, device=f"planner: {name}", unit_shares=shares, deferred_w=deferred_w)
 
 
 def unit_shares_for(model: Any, *, seq_len: int) -> tuple[float, float] | None:
@@ -737,4 +746,5 @@ def _summarize(
         notes=tuple(notes),
         unit_shares=unit_shares,
         recompute_costs=RecomputeCalibration.combine(calibrations) if not errors else None,
+        deferred_w=any(q is not None for q in queued),  # only deferring stages measure a queue
     )

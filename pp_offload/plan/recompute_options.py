@@ -100,15 +100,18 @@ class RecomputeOption:
         scaled by ``kept_share`` (each layer's bytes taken as the smallest measured per layer: first and
         last stages carry the embedding, head and loss besides), copy times in proportion, and I and W
         each lengthened by one recompute of the stage's recomputed layers, as many times as the runtime
-        recomputes in each (`pp_offload.recompute_plan.recomputations`): stage 0's I and W come from one
-        backward in torch (its I is ~0), one recompute added to W; a full backward B recomputes once
-        (``recompute_shared``).
+        recomputes in each (`pp_offload.recompute_plan.recomputations`, with the split the probe ran,
+        ``measurement.deferred_w``): under deferred W I is the microbatch's one backward and pays a full
+        backward's recomputation, W none; under torch's retained-graph split I and W recompute once each,
+        stage 0's I and W come from one backward (its I is ~0), one recompute added to W, and a full
+        backward B recomputes once (``recompute_shared``).
 
         Per recomputed layer of a mode, where ``measurement.recompute_costs`` measured the mode (the
         probe's calibration, `pp_offload.plan.recompute_calibration.ModeCost`): F grows by its measured
-        ``forward`` (the checkpointing's own cost in the forward), I and W by their measured ``input`` and
-        ``weight`` per recomputation, a full backward by ``backward`` (also stage 0's W, torch's whole
-        backward there). Otherwise (a measurement without calibration, e.g. the planner's own): each
+        ``forward`` (the checkpointing's own cost in the forward), a recomputing I by ``backward`` under
+        deferred W; under torch's split I and W by their measured ``input`` and ``weight`` per
+        recomputation, a full backward by ``backward`` (also stage 0's W, torch's whole backward there).
+        Otherwise (a measurement without calibration, e.g. the planner's own): each
         recomputing pass grows by ``forward_share`` x a layer's forward, taken as the smallest measured
         per layer (stage F over its layers), and F is unchanged."""
         with_layers = [st for st in measurement.stages if st.layers > 0]
@@ -125,6 +128,7 @@ class RecomputeOption:
         )
         stages = []
         plan = RecomputePlan(self.mode, self.share, self.rest, self.once)
+        deferred = measurement.deferred_w
         for index, st in enumerate(measurement.stages):
             count = plan.count(st.layers)
             others = st.layers - count if self.rest != "none" else 0
@@ -134,9 +138,14 @@ class RecomputeOption:
             added = [count * a + others * b for a, b in zip(mine, rest, strict=True)]  # F, I, W, B
             layer_bytes, units = self._units(st, plan.modes(st.layers), per_layer_bytes)
             first = index == 0
-            at_i, at_w, at_b = (recomputations(k, first_stage=first, once=self.once) for k in ("I", "W", "B"))
-            # deferred W: I is the microbatch's one backward, so it pays a full backward's recomputation
-            at_input, at_weight = added[3] * at_i, added[2] * at_w
+            rule = {"first_stage": first, "once": self.once, "deferred_w": deferred}
+            at_i, at_w, at_b = (recomputations(k, **rule) for k in ("I", "W", "B"))
+            if deferred:  # I is the microbatch's one backward, so it pays a full backward's recomputation
+                at_input, at_weight = added[3] * at_i, added[2] * at_w
+            else:  # torch's split: I and W recompute each; its first stage runs its whole backward at W
+                at_input, at_weight = added[1] * at_i, (added[3] if first else added[2]) * at_w
+            # torch's split with +once: I keeps what it recomputed for W (not on torch's first stage)
+            held = st.saved_bytes - saved if self.once and not first and not deferred else 0
             stages.append(
                 replace(
                     st,
@@ -145,7 +154,7 @@ class RecomputeOption:
                     W=st.W + at_weight,
                     recompute_shared=st.recompute_shared + max(0.0, at_input + at_weight - added[3] * at_b),
                     saved_bytes=saved,
-                    held_after_input=0,  # deferred W: I releases the graph, +once keeps nothing for W
+                    held_after_input=held,  # deferred W: I releases the graph, +once keeps nothing for W
                     offload=st.offload * ratio,
                     reload=st.reload * ratio,
                     layer_bytes=layer_bytes,

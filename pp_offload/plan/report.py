@@ -95,6 +95,8 @@ def recipe_settings(result: PlanResult, candidate: Candidate | None = None) -> d
         pipeline["stages_per_rank"] = s["virtual_stages"]
     if c.offload != "none":
         pipeline["offload"] = c.offload
+    if s.get("deferred_w") is False and _splits_backward(c.schedule):
+        pipeline["deferred_w"] = False  # planned under torch's retained-graph split (--split torch)
     train: dict[str, Any] = {
         "global_batch_size": s["microbatch_size"] * s["num_microbatches"] * s["dp"],
         "activation_checkpointing": c.recompute if c.recompute != "none" else False,
@@ -143,9 +145,46 @@ def _setting_lines(result: PlanResult) -> list[str]:
         f"pp {s['pp']}, dp {s['dp']}{' (sharded optimizer)' if s['dp_shard'] else ''}, {s['dtype']}; "
         f"{m.name}: {m.flops / 1e12:g} TFLOP/s x MFU {m.mfu:g}, host link {m.host_bandwidth / 1e9:g} GB/s, "
         f"{s['gpu_memory_gib']:g} GiB per GPU"
+        + (
+            "; split-backward schedules on torch's retained-graph split"
+            if s.get("deferred_w") is False
+            else ""
+        )
     )
     lines.append("")
     return lines
+
+
+def _splits_backward(schedule: str) -> bool:
+    from pp_offload.runtime.catalog import schedule_info
+
+    return schedule_info(schedule).split_backward
+
+
+def _split_line(result: PlanResult) -> str | None:
+    """The pick against itself under the other backward split (`PlanResult.other_split`), in one sentence
+    saying which gives the lower activation peak and at what step time; None when there is nothing to
+    weigh (no recompute, no split backward)."""
+    best, other = result.recommended, result.other_split
+    if best is None or other is None or not best.activation_peak:
+        return None
+    torch_other = result.settings.get("deferred_w", True)  # the other split is torch's
+    name = (
+        "torch's retained-graph split (--split torch, pipeline.deferred_w: false)"
+        if torch_other
+        else ("deferred weight gradients (--split deferred, pipeline.deferred_w: true)")
+    )
+    lower = other.activation_peak < best.activation_peak
+    step = (
+        f"{100 * (other.step_time / best.step_time - 1):+.1f}%" if other.step_time and best.step_time else "?"
+    )
+    verdict = "the lower peak" if lower else "no lower peak"
+    fits = "" if other.fits else f", which does not fit ({other.over_bytes / GIB:.1f} GiB over)"
+    return (
+        f"split: under {name} this pick's activation peak is {other.activation_peak / GIB:.1f} GiB instead "
+        f"of {best.activation_peak / GIB:.1f} (device peak {other.peak_bytes / GIB:.1f} GiB instead of "
+        f"{best.peak_bytes / GIB:.1f}), its step {step}{fits}: {verdict}"
+    )
 
 
 def format_summary(
@@ -174,6 +213,9 @@ def format_summary(
             indent="    ",
         )
         lines += _wrap("why: " + _why(result, best))
+        weighed = _split_line(result)
+        if weighed is not None:
+            lines += _wrap(weighed)
     else:
         lines += _wrap(f"no recommendation: {result.reason}" if reason else "no recommendation: nothing fits")
     shown, twins = _alternatives(result, best, alternatives)
@@ -289,6 +331,9 @@ def format_table(result: PlanResult) -> str:
     if result.recommended is not None:
         lines += _wrap(f"recommended: {result.recommended.label}")
         lines += _wrap(f"why: {result.reason}")
+        weighed = _split_line(result)
+        if weighed is not None:
+            lines += _wrap(weighed)
     else:
         lines += _wrap(f"no recommendation: {result.reason}")
     lines += _wrap(

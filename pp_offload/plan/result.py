@@ -113,6 +113,10 @@ class PlanResult:
     machine: Machine
     schedules: dict[str, dict[str, Any]]
     assumptions: list[str]
+    other_split: Candidate | None = None
+    """The recommended candidate planned under the other backward split (``settings["deferred_w"]``
+    flipped: torch's retained-graph split against deferred weight gradients), where the pick recomputes on
+    a split-backward schedule; None elsewhere (`pp_offload.plan.planner.plan`'s ``compare_split``)."""
 
     @property
     def memory_limit_bytes(self) -> int:
@@ -154,4 +158,5 @@ class PlanResult:
             "candidates": [c.to_dict() for c in self.candidates],
             "schedules": self.schedules,
             "assumptions": self.assumptions,
+            "other_split": self.other_split.to_dict() if self.other_split is not None else None,
         }

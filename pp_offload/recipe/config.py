@@ -99,6 +99,18 @@ class PipelineConfig:
         auto_probe_steps: ``auto`` only: probe steps timed before choosing (no weight is updated).
         costs: Our schedules only: relative durations of a chunk's passes, ``{F: .., I: .., W: ..}`` (and
             ``comm``, ``transfer``), for which the order is searched. Default: unit costs.
+        deferred_w: How a split-backward schedule (V-Min, V-Half, V-ZB, V-Adaptive, ZBV, DualPipeV,
+            InterleavedZeroBubble) splits each microbatch's backward into I and W. ``true`` (default):
+            deferred weight gradients, I is one ordinary backward and W runs the queued weight-gradient
+            GEMMs (docs/hot-path.md); compiled layers work, a checkpointed layer runs twice per
+            microbatch, and each linear's input and output gradient are held from I to W. ``false``:
+            torch's retained-graph split, which holds the saved tensors from I to W instead: with
+            activation recompute those are far fewer (one stage of 4 Llama layers with full recompute:
+            1.5 MiB against the queue's 15.3 MiB), so turn it off when recompute must save memory and
+            memory is tight. It costs a third run of each checkpointed layer (in W), and is eager only:
+            with ``train.compile`` it is refused. Schedules without split backward (Interleaved1F1B,
+            LoopedBFS, 1F1B, GPipe) run one backward either way: the key changes nothing there. The
+            planner's figures (the budget offload plan, ``schedule: auto``) follow it.
     """
 
     schedule: str = "ScheduleVHalf"
@@ -113,6 +125,7 @@ class PipelineConfig:
     activation_budget_gib: float | None = None
     auto_probe_steps: int = 2
     costs: dict[str, float] | None = None
+    deferred_w: bool = True
 
 
 @dataclass

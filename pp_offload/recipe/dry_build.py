@@ -112,6 +112,7 @@ def dry_build(config: RecipeConfig, topo: Topology, tokenizer: Any) -> DryBuild:
             f"built unsharded: FSDP over the pipeline.dp={topo.dp} replicas needs their process group"
         )
     ranks = _build_ranks(config, model, topo, inputs, what="the pipeline")
+    notes += _split_notes(config)
     return DryBuild(
         schedule=str(config.pipeline.schedule),
         offload=str(config.pipeline.offload or "none"),
@@ -120,6 +121,24 @@ def dry_build(config: RecipeConfig, topo: Topology, tokenizer: Any) -> DryBuild:
         notes=notes,
         seconds=time.perf_counter() - start,
     )
+
+
+def _split_notes(config: RecipeConfig) -> list[str]:
+    """One line on what ``pipeline.deferred_w: false`` does here (nothing by default): torch's split on a
+    split-backward schedule, or nothing at all on a schedule without split backward (it runs one backward
+    per microbatch either way), so the user does not expect its memory from it."""
+    from pp_offload.runtime.catalog import schedule_info
+
+    info = schedule_info(config.pipeline.schedule)
+    if config.pipeline.deferred_w:
+        return []
+    if not info.split_backward:
+        return [f"pipeline.deferred_w=false changes nothing on {info.name}: it has no split backward"]
+    return [
+        f"pipeline.deferred_w=false: {info.name} splits backward with torch's retained graph (saved tensors "
+        "held from I to W instead of the weight-gradient queue; a checkpointed layer runs 3 times per "
+        "microbatch); the planner's figures (budget offload, schedule: auto) count that split"
+    ]
 
 
 def _build_ranks(
@@ -268,6 +287,7 @@ def _planner_pick(
             microbatch_size=microbatch,
             layers_per_stage=layers_per_stage,  # the probe's split: the pick's figures must match it
             recompute=checkpointing_mode(config.train.activation_checkpointing) or "none",  # the probe's
+            deferred_w=spec.deferred_w,  # the split the probe runs (pipeline.deferred_w)
         )
         decision = choose_within(config, measurement, recompute_candidates(config, model, device))
     except (AutoError, ValueError) as error:

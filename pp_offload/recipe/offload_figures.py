@@ -65,6 +65,7 @@ def planner_offload_inputs(
                 dp_shard=dp > 1,
                 lora_rank=config.lora.r if config.lora is not None else 0,
                 layers_per_stage=layers_per_stage,
+                deferred_w=spec.deferred_w,
             )
         except ValueError as error:  # a config or schedule the planner does not model
             reason = f"the planner cannot model this run ({error})"
@@ -75,9 +76,10 @@ def planner_offload_inputs(
             flush=True,
         )
     elif log:
+        split = "" if spec.deferred_w else ", under torch's retained-graph split (pipeline.deferred_w: false)"
         print(
             f"offload {spec.offload}: placed with the planner's per-stage figures for this model on the "
-            f"{machine} preset (pass times, layers, per-layer copy times, bytes); the run places what "
+            f"{machine} preset (pass times, layers, per-layer copy times, bytes{split}); the run places what "
             "the planner predicts for this run (its model, split and machine preset)",
             flush=True,
         )

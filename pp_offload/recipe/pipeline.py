@@ -232,7 +232,8 @@ def rank_schedule(
 ) -> Any:
     """The schedule of this rank's ``stages``: its order lowered by torch, with the offload policy's plan
     (made from ``offload_inputs``, else from the planner's figures for a budget policy,
-    `pp_offload.recipe.offload_figures.planner_offload_inputs`) and its OFFLOAD/RELOAD actions in it."""
+    `pp_offload.recipe.offload_figures.planner_offload_inputs`) and its OFFLOAD/RELOAD actions in it,
+    splitting backward as ``pipeline.deferred_w`` asks (`pp_offload.runtime.catalog.build_schedule`)."""
     from pp_offload.recipe.offload_figures import planner_offload_inputs
     from pp_offload.runtime.offload import enable_offload
 
@@ -254,7 +255,8 @@ def rank_schedule(
     figures: dict[str, Any] = {"costs": spec.costs}
     if offload and offload_inputs is not None:
         figures = {"inputs": offload_inputs}
-    kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+    # pipeline.deferred_w: deferred weight gradients or torch's retained-graph split (split backward only)
+    kwargs: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False, "deferred_w": spec.deferred_w}
     if info.module == "pp_offload.runtime.schedules":
         kwargs["costs"] = spec.costs  # None with inputs: the order is built from their scalar costs
         if spec.memory_limit is not None:

@@ -80,20 +80,32 @@ def preflight(config: RecipeConfig, topo: Topology, num_layers: int | None) -> S
             f"pipeline.offload needs a multi-stage schedule; {info.name} is single-stage: use e.g. "
             "ScheduleVHalf or ScheduleInterleaved1F1B"
         )
-    _check_compile(config)
+    _check_compile(config, info, auto=auto)
     return info
 
 
-def _check_compile(config: RecipeConfig) -> None:
-    """``train.compile``'s value, and the recompute plans it cannot compile (`pp_offload.runtime.compile`)."""
+def _check_compile(config: RecipeConfig, info: ScheduleInfo, *, auto: bool = False) -> None:
+    """``train.compile``'s value, the recompute plans it cannot compile (`pp_offload.runtime.compile`), and
+    torch's retained-graph split (``pipeline.deferred_w: false``) on a split-backward schedule, which runs a
+    compiled layer's backward in both I and W (wrong gradients; the runtime would refuse it too, in
+    `pp_offload.runtime.deferred_w.refuse_compiled_split`, but only after every rank loaded its weights)."""
     from pp_offload.parallel import checkpointing_mode
     from pp_offload.runtime.compile import CompileOptions, check_recompute_compiles
 
     try:
-        if CompileOptions.coerce(config.train.compile) is not None:
+        options = CompileOptions.coerce(config.train.compile)
+        if options is not None:
             check_recompute_compiles(checkpointing_mode(config.train.activation_checkpointing))
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    if options is not None and not config.pipeline.deferred_w and info.split_backward:
+        which = f"schedule: auto (its probe runs {info.name})" if auto else info.name
+        raise ConfigError(
+            f"train.compile with pipeline.deferred_w=false on {which}: torch's retained-graph split runs a "
+            "compiled layer's backward twice (in I and in W: wrong gradients); set pipeline.deferred_w=true "
+            "(the default), turn train.compile off, or use a schedule without split backward "
+            "(ScheduleInterleaved1F1B)"
+        )
 
 
 def _fewer_stages_fix(info: ScheduleInfo, num_layers: int, world: int) -> str:
