@@ -103,7 +103,8 @@ class PipelineConfig:
             InterleavedZeroBubble) splits each microbatch's backward into I and W. ``true`` (default):
             deferred weight gradients, I is one ordinary backward and W runs the queued weight-gradient
             GEMMs (docs/hot-path.md); compiled layers work, a checkpointed layer runs twice per
-            microbatch, and each linear's input and output gradient are held from I to W. ``false``:
+            microbatch, and each linear's input and output gradient are held from I to W (offload moves
+            them to host memory where the gap between I and W affords the copies). ``false``:
             torch's retained-graph split, which holds the saved tensors from I to W instead: with
             activation recompute those are far fewer (one stage of 4 Llama layers with full recompute:
             1.5 MiB against the queue's 15.3 MiB), so turn it off when recompute must save memory and
