@@ -130,13 +130,15 @@ def _build(name: str, stages: list, loss_fn: Any, offload: str | None, deferred_
 
 
 def _record_chunks(schedule: Any) -> list[tuple[Any, Any]]:
-    """(chunk key, ChunkStats) of every chunk the store offloads, taken just before its offload."""
+    """(chunk key, ChunkStats) of every activation chunk the store offloads, taken just before its offload
+    (not the deferred-W queues a plan moves between I and W: keys ``(stage, microbatch, "queue")``)."""
     store = schedule.offload.store
     seen: list[tuple[Any, Any]] = []
     offload = store.offload
 
     def recording(key: Any) -> None:
-        seen.append((key, store.stats().chunks[key]))
+        if key[-1] != "queue":
+            seen.append((key, store.stats().chunks[key]))
         offload(key)
 
     store.offload = recording

@@ -264,7 +264,8 @@ def _unit_step(
     return {
         "losses": losses,
         "grads": grads,
-        "captured": dict(runtime.store.last_captured),
+        # activations only: not the deferred-W queues moved between I and W, (stage, microbatch, "queue")
+        "captured": {k: v for k, v in runtime.store.last_captured.items() if k[-1] != "queue"},
         "planned": {(*key, i) for key, n in runtime.moved.items() for i in range(n)},
     }
 
