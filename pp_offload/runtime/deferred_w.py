@@ -96,34 +96,14 @@ def _linear(
     return nn.functional.linear(x, weight, bias)
 
 
-@torch.library.custom_op("pp_offload::linear_dw_queued", mutates_args=())
-def _linear_dw_queued(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool
-) -> torch.Tensor:
-    """`_linear` as one op for dynamo and inductor (module doc)."""
-    return _linear(x, weight, bias, transposed)
+_linear_dw_queued = torch.library.custom_op("pp_offload::linear_dw_queued", _linear, mutates_args=())
+"""`_linear` as one op for dynamo and inductor (module doc); eager code calls `_linear` (`_EagerLinear`)."""
 
 
 @_linear_dw_queued.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     out = weight.shape[1] if transposed else weight.shape[0]
     return x.new_empty(*x.shape[:-1], out)
-
-
-@torch.library.custom_op("pp_offload::input_grad_and_queue", mutates_args=())
-def _input_grad_and_queue(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    transposed: bool,
-    compiled: bool,
-    share: int = -1,
-    first: bool = True,
-    after: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`_input_grad_queueing` as one op for dynamo and inductor. It returns dX so the partitioner keeps it
-    (an op whose output nobody uses would be dropped as dead code, and its queueing with it)."""
-    return _input_grad_queueing(dy, x, weight, transposed, compiled, share, first)
 
 
 def _input_grad_queueing(
@@ -134,8 +114,11 @@ def _input_grad_queueing(
     compiled: bool,
     share: int = -1,
     first: bool = True,
+    after: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The input gradient; queues (x, dy) for W as a side effect.
+    """The input gradient; queues (x, dy) for W as a side effect. As an op (`_input_grad_and_queue`) it
+    returns dX so the partitioner keeps it (an op whose output nobody uses would be dropped as dead code,
+    and its queueing with it).
 
     ``compiled`` (set when the backward was traced by torch.compile): the queue keeps copies. Inductor
     plans a compiled backward's memory as if an op kept none of its inputs: it reuses their buffers for
@@ -166,6 +149,11 @@ def _input_grad_queueing(
             )
         _accumulate(param, _weight_grad(x, dy, transposed))
     return _input_grad(dy, weight, transposed, x.shape)
+
+
+_input_grad_and_queue = torch.library.custom_op(
+    "pp_offload::input_grad_and_queue", _input_grad_queueing, mutates_args=()
+)
 
 
 @_input_grad_and_queue.register_fake
