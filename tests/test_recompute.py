@@ -202,6 +202,13 @@ def test_reloaded_chunk_changed_in_place_by_a_backward_is_refused() -> None:
         torch.autograd.grad(out, [x])
 
 
+def test_saved_ops_that_save_nothing_are_refused() -> None:
+    """An op in NON_SAVING_OPS is never kept (the forward skips it), so naming it in saved_ops would only fail
+    later, in the recomputation: refused when the context is made."""
+    with pytest.raises(ValueError, match=r"\['add'\].*leave them out"):
+        selective_checkpoint_context(["mm", "add"])
+
+
 def test_saved_op_list_and_modes() -> None:
     aten = torch.ops.aten
     packets = saved_op_packets()

@@ -176,63 +176,91 @@ class _Trailing:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device).zero_()
 
 
+_PASS, _OTHER, _KEEP, _KEEP_READ = range(4)
+"""What an op is to the cache (`_OpKinds`): an op whose backward saves nothing (`NON_SAVING_OPS`), any
+other op, a saved op, a saved op whose own backward reads its output (an attention kernel)."""
+
+
+class _OpKinds(dict[Any, int]):
+    """What each op is to the cache, found once per op overload (on first sight, ``__missing__``), then a
+    plain dict lookup. Why: the modes see every aten op of a checkpointed layer's forward and
+    recomputation; finding the op's packet (a Python property) and hashing it (a Python ``__hash__``)
+    twice on every call was a measurable part of their per-op cost."""
+
+    def __init__(self, saved: frozenset[Any], non_saving: frozenset[Any]) -> None:
+        super().__init__()
+        self.saved = saved
+        self.non_saving = non_saving
+
+    def __missing__(self, func: Any) -> int:
+        packet = getattr(func, "overloadpacket", None)
+        if packet in self.non_saving:
+            kind = _PASS
+        elif packet not in self.saved:
+            kind = _OTHER
+        else:
+            kind = _KEEP_READ if packet.__name__ in _OUTPUT_SAVING else _KEEP
+        self[func] = kind
+        return kind
+
+
 class _Cache:
     """The saved ops' outputs of one checkpointed call, in call order per op.
 
     During the forward the outputs are held here (``pending``); when the forward ends, the ones the
     recomputation will read go to the capture running on this thread (the store) or stay here, and the
-    trailing matmuls are dropped."""
+    trailing matmul is dropped."""
 
-    def __init__(self, saved: frozenset[Any], non_saving: frozenset[Any]) -> None:
-        self.saved = saved
-        self.non_saving = non_saving
+    def __init__(self, kinds: _OpKinds) -> None:
+        self.saved = kinds.saved
+        self.non_saving = kinds.non_saving
+        self.kinds = kinds
         self.entries: dict[Any, list[Any]] = defaultdict(list)
         self.replayed: dict[Any, int] = defaultdict(int)
-        # forward: (func, its outputs, their versions, whether the recomputation reaches it) per saved op
+        # forward: (func, its outputs, their versions) per saved op
         self.pending: list[list[Any]] = []
-        self.trailing: list[int] = []  # pending entries after the last op that saves a tensor
+        # the pending entry after which only ops that save nothing ran, if any. At most one: every saved
+        # op may save a tensor, so it ends the trailing run of the one before it
+        self.trailing: int | None = None
 
     def record(self, func: Any, out: Any) -> None:
         """Forward: one op ran. A saved op's outputs are held; any op that may save a tensor for backward
         (a matmul saves its inputs) means every pending matmul output before it will be read."""
-        packet = getattr(func, "overloadpacket", None)
-        if packet in self.non_saving:
+        kind = self.kinds[func]
+        if kind == _PASS:
             return
-        self.trailing.clear()
-        if packet not in self.saved:
+        self.trailing = None
+        if kind == _OTHER:
             return
         with compat.views_share_version():
-            held = tree_map(_detached, out)
-        versions = [x._version for x in tree_flatten(held)[0] if isinstance(x, torch.Tensor)]
+            if isinstance(out, torch.Tensor):  # most saved ops: one tensor, no pytree walk
+                held = _detached(out)
+                versions = [held._version]
+            else:
+                held = tree_map(_detached, out)
+                versions = [x._version for x in tree_flatten(held)[0] if isinstance(x, torch.Tensor)]
         self.pending.append([func, held, versions])
-        if packet.__name__ not in _OUTPUT_SAVING:
-            self.trailing.append(len(self.pending) - 1)
+        if kind == _KEEP:
+            self.trailing = len(self.pending) - 1
 
     def finish(self) -> None:
         """Forward ended: keep what the recomputation will read (in the store when a capture runs)."""
-        dropped = set(self.trailing)
         for i, (func, held, versions) in enumerate(self.pending):
-            if i in dropped:
+            if i == self.trailing:
                 self.entries[func].append(_Trailing(held) if isinstance(held, torch.Tensor) else _RUN)
                 continue
-            tensors = [x for x in tree_flatten(held)[0] if isinstance(x, torch.Tensor)]
+            one = isinstance(held, torch.Tensor)
+            tensors = [held] if one else [x for x in tree_flatten(held)[0] if isinstance(x, torch.Tensor)]
             if [x._version for x in tensors] != versions:
                 raise RuntimeError(
                     f"selective recompute: the output of {func} was modified in place later in the same "
                     "checkpointed layer; its recomputation would read the modified values. Use the "
                     "out-of-place op, or full checkpointing for this layer"
                 )
-
-            def hold(x: Any) -> Any:
-                if not isinstance(x, torch.Tensor):
-                    return x
-                saved = save_in_capture(x)
-                return saved if saved is not None else _Plain(x)
-
             with compat.views_share_version():
-                self.entries[func].append(tree_map(hold, held))
+                self.entries[func].append(_hold(held) if one else tree_map(_hold, held))
         self.pending = []
-        self.trailing = []
+        self.trailing = None
 
     def take(self, func: Any, args: Any, kwargs: Any) -> Any:
         n = self.replayed[func]
@@ -244,16 +272,28 @@ class _Cache:
                 "(no data-dependent control flow or changed global state)"
             )
         self.replayed[func] = n + 1
-        if outputs[n] is _RUN:
+        entry = outputs[n]
+        if entry is _RUN:
             return func(*args, **kwargs)
-        if isinstance(outputs[n], _Trailing):
-            return outputs[n].zeros()
-
-        def give(x: Any) -> Any:
-            return _detached(x.get()) if isinstance(x, (_Plain, SavedInCapture)) else x
-
+        if isinstance(entry, _Trailing):
+            return entry.zeros()
         with compat.views_share_version():
-            return tree_map(give, outputs[n])
+            if isinstance(entry, (_Plain, SavedInCapture)):  # one tensor: no pytree walk
+                return _detached(entry.get())
+            return tree_map(_give, entry)
+
+
+def _hold(x: Any) -> Any:
+    """A kept output as the cache holds it: recorded in the running capture, or plain."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    saved = save_in_capture(x)
+    return saved if saved is not None else _Plain(x)
+
+
+def _give(x: Any) -> Any:
+    """A kept output as the recomputation gets it (`_hold` undone), detached afresh."""
+    return _detached(x.get()) if isinstance(x, (_Plain, SavedInCapture)) else x
 
 
 class _CacheOutputs(compat.TorchDispatchMode):
@@ -262,6 +302,7 @@ class _CacheOutputs(compat.TorchDispatchMode):
     def __init__(self, cache: _Cache) -> None:
         super().__init__()
         self._cache = cache
+        self._kinds = cache.kinds
 
     def __exit__(self, *exc: Any) -> Any:
         result = super().__exit__(*exc)
@@ -270,8 +311,9 @@ class _CacheOutputs(compat.TorchDispatchMode):
         return result
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self._cache.record(func, out)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if self._kinds[func] != _PASS:  # most ops are views and adds: nothing to record
+            self._cache.record(func, out)
         return out
 
 
@@ -282,16 +324,16 @@ class _ReplayOutputs(compat.TorchDispatchMode):
     def __init__(self, cache: _Cache) -> None:
         super().__init__()
         self._cache = cache
+        self._kinds = cache.kinds
 
     def __enter__(self) -> Any:
         self._cache.replayed.clear()
         return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if getattr(func, "overloadpacket", None) in self._cache.saved:
-            return self._cache.take(func, args, kwargs)
-        return func(*args, **kwargs)
+        if self._kinds[func] >= _KEEP:
+            return self._cache.take(func, args, kwargs or {})
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 def selective_checkpoint_context(
@@ -310,9 +352,16 @@ def selective_checkpoint_context(
     if not saved:
         raise ValueError(f"none of saved_ops={names!r} is an aten op of this torch; see SAVED_OPS")
     non_saving = saved_op_packets(NON_SAVING_OPS)
+    both = sorted(p.__name__ for p in saved & non_saving)
+    if both:
+        raise ValueError(
+            f"saved_ops={names!r} names ops whose backward saves nothing ({both}, see NON_SAVING_OPS): the "
+            "cache never keeps their outputs; leave them out"
+        )
+    kinds = _OpKinds(saved, non_saving)
 
     def context_fn() -> tuple[_CacheOutputs, _ReplayOutputs]:
-        cache = _Cache(saved, non_saving)
+        cache = _Cache(kinds)
         return _CacheOutputs(cache), _ReplayOutputs(cache)
 
     return context_fn
