@@ -12,10 +12,12 @@ same bits. I is then one backward without ``retain_graph``: compiled regions run
 layer recomputes once, and the gradients of everything else (norms, embeddings, biases, fused expert
 tensors) are computed in I as a full backward computes them.
 
-The layer is a ``torch.library`` custom op with registered autograd, so dynamo and inductor see one opaque
-op inside a compiled layer, and its backward calls a second custom op that returns the input gradient and,
-when it runs, queues (copies of its tensors when the backward was compiled: inductor reuses an op's input
-buffers for later intermediates). Changing what the registered backward does needs new op names: torch's
+Under torch.compile the layer is a ``torch.library`` custom op with registered autograd, so dynamo and
+inductor see one opaque op inside a compiled layer, and its backward calls a second custom op that returns
+the input gradient and, when it runs, queues (copies of its tensors when the backward was compiled: inductor
+reuses an op's input buffers for later intermediates). In eager mode the same forward, context and backward
+run as a plain ``autograd.Function`` (`_EagerLinear`): torch.library's Python dispatch cost 67 us per layer
+call against 14 us. Changing what the registered backward does needs new op names: torch's
 compile caches (AOT autograd, FX graph) key on the forward graph, which names only the forward op, and
 would hand an old backward back. The runtime side is torch's own hook,
 ``PipelineStage(..., dw_builder=...)``: with a builder, the stage runs a full backward at I and calls the
