@@ -248,11 +248,7 @@ def _worker(rank: int, world_size: int, m: int) -> list[dict[str, Any]]:
                         "order": order,
                         "plan": runtime.plan if runtime is not None else None,
                         # deferred W: queues the plan moved to host memory between their I and W
-                        "queue_copies": 0
-                        if runtime is None
-                        else sum(
-                            b > 0 for k, b in runtime.store.last_captured.items() if k[2:] == ("queue",)
-                        ),
+                        "queue_copies": 0 if runtime is None else len(runtime.moved_queues()),
                     }
                 )
     return rows

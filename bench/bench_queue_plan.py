@@ -29,18 +29,6 @@ RECOMPUTE = ("none", "full")
 POLICIES = ("none", "full", "budget")
 
 
-def _queue_copies(plan: Any) -> int:
-    """Copies between a chunk's I and its W: each chunk's second OFFLOAD."""
-    seen, count = set(), 0
-    for rank, actions in plan.order.items():
-        for action in actions:
-            if str(action.computation_type) == "OFFLOAD":
-                key = (rank, action.stage_index, action.microbatch_index)
-                count += key in seen
-                seen.add(key)
-    return count
-
-
 def row(machine: str, schedule: str, recompute: str, deferred: bool) -> dict[str, Any]:
     from pp_offload.order.offload_inputs import activation_peaks
     from pp_offload.plan.evaluate import build_orders, offload_plan
@@ -68,7 +56,7 @@ def row(machine: str, schedule: str, recompute: str, deferred: bool) -> dict[str
             sim, layered, copies = simulate(order, inputs.costs), {}, 0
         else:
             plan = offload_plan(setup, order, policy)
-            sim, layered, copies = plan.sim, plan.layered, _queue_copies(plan) if deferred else 0
+            sim, layered, copies = plan.sim, plan.layered, len(plan.dropped_after_i()) if deferred else 0
         peak = max(activation_peaks(sim, inputs.stage_bytes, layered))
         out[policy] = {
             "peak_gib": round(peak / 2**30, 2),

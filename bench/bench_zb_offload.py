@@ -86,7 +86,6 @@ def _setup(schedule: str, machine: str, seq: int) -> tuple[Any, Any]:
 
 def _row(setup: Any, order: Any, label: str, policy: Any) -> dict[str, Any]:
     """One policy on one order: what the planner predicts, and what the plan copies."""
-    from pp_offload.order.actions import OFFLOAD
     from pp_offload.plan.evaluate import activation_peaks, offload_plan
     from pp_offload.sim import simulate
 
@@ -98,14 +97,7 @@ def _row(setup: Any, order: Any, label: str, policy: Any) -> dict[str, Any]:
         sim, layered = plan.sim, plan.layered
         nbytes = {key: c.moved * setup.stage_layer_bytes(key[0]) for key, c in layered.items()}
         d2h = sum(nbytes.values())
-        dropped_keys = [
-            (a.stage_index, a.microbatch_index)
-            for actions in plan.order.values()
-            for a in actions
-            if a.computation_type == OFFLOAD
-        ]
-        seen: set[tuple[int, int]] = set()
-        again = [k for k in dropped_keys if k in seen or seen.add(k)]  # second OFFLOADs: dropped after I
+        again = plan.dropped_after_i()  # second OFFLOADs: dropped after I
         dropped = len(again)
         h2d = d2h + sum(nbytes[k] for k in again)  # each dropped chunk's layers come back twice
         pulled = sum(len(v) for v in plan.pulled.values())

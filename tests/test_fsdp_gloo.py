@@ -131,13 +131,15 @@ def _build(name: str, stages: list, loss_fn: Any, offload: str | None, deferred_
 
 def _record_chunks(schedule: Any) -> list[tuple[Any, Any]]:
     """(chunk key, ChunkStats) of every activation chunk the store offloads, taken just before its offload
-    (not the deferred-W queues a plan moves between I and W: keys ``(stage, microbatch, "queue")``)."""
+    (not the deferred-W queues a plan moves between I and W: `pp_offload.runtime.offload.queue_key`)."""
+    from pp_offload.runtime.offload import is_queue_key
+
     store = schedule.offload.store
     seen: list[tuple[Any, Any]] = []
     offload = store.offload
 
     def recording(key: Any) -> None:
-        if key[-1] != "queue":
+        if not is_queue_key(key):
             seen.append((key, store.stats().chunks[key]))
         offload(key)
 

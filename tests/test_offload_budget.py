@@ -206,11 +206,6 @@ _QUEUE_MOVES = {("ScheduleVZB", "budget:0.67"), ("ScheduleVZB", "budget:1")}
 lower the peak."""
 
 
-def _moved_queues(store: Any) -> int:
-    """Deferred-W queues the store moved between their I and W (key ``(stage, microbatch, "queue")``)."""
-    return sum(1 for k, b in store.last_captured.items() if k[-1] == "queue" and b > 0)
-
-
 def _step(rank: int, d: int, m: int, model: nn.Sequential, name: str, placement: str, policy: Any) -> tuple:
     """One step of ``name`` with offload ``policy`` on this rank: (schedule, losses, grads, stage ids)."""
     from torch.distributed.pipelining import PipelineStage
@@ -251,18 +246,17 @@ def _recompute_run(
         "losses": losses,
         "grads": grads,
         "captured": _activations(runtime.store.last_captured) if runtime is not None else {},
-        "dropped": 0
-        if runtime is None
-        else sum(a.computation_type == OFFLOAD for a in runtime.plan.order[rank])
-        - len(runtime.plan.offloaded[rank]),
-        "queues": 0 if runtime is None else _moved_queues(runtime.store),
+        "dropped": 0 if runtime is None else len(runtime.plan.dropped_after_i(rank)),
+        "queues": 0 if runtime is None else len(runtime.moved_queues()),
     }
 
 
 def _activations(captured: dict) -> dict:
     """The store's captures of activations: chunks, or layers (``(stage, microbatch, layer)``), without the
-    deferred-W queues a plan moves between I and W (``(stage, microbatch, "queue")``)."""
-    return {k: v for k, v in captured.items() if k[-1] != "queue"}
+    deferred-W queues a plan moves between I and W (`pp_offload.runtime.offload.queue_key`)."""
+    from pp_offload.runtime.offload import is_queue_key
+
+    return {k: v for k, v in captured.items() if not is_queue_key(k)}
 
 
 def _worker(rank: int, world_size: int, m: int) -> dict:
@@ -288,9 +282,8 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 "parts_as_planned": set(layered)
                 == {(*key, i) for key, n in schedule.offload.moved.items() for i in range(n)},
                 # OFFLOADs beyond one per chunk: chunks dropped between I and W
-                "dropped": sum(a.computation_type == OFFLOAD for a in schedule.offload.plan.order[rank])
-                - len(schedule.offload.plan.offloaded[rank]),
-                "queues": _moved_queues(store),
+                "dropped": len(schedule.offload.plan.dropped_after_i(rank)),
+                "queues": len(schedule.offload.moved_queues()),
             }
     # selective recompute: each block keeps its first Linear's output and recomputes its GELU
     assert activation_checkpointing(dict(enumerate(model)), layers=list, mode="selective") == 2 * d * LAYERS

@@ -90,9 +90,9 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
             if offload is not None:
                 store = schedule.offload.store
                 moved = store.stats().host_pool_bytes  # grows only when chunks go to host
-                drops = _drops(schedule.offload.plan.order[rank])
+                drops = set(schedule.offload.plan.dropped_after_i(rank))
                 # deferred W: a drop between I and W moves the chunk's W queue (its own store chunk)
-                queues = {k[:2] for k, b in store.last_captured.items() if k[2:] == ("queue",) and b > 0}
+                queues = schedule.offload.moved_queues()
                 assert schedule.offload.store.resident_bytes() == 0, "chunks left in the store after a step"
             grads = {f"{s}.{n}": p.grad.clone() for s in ids for n, p in model[s].named_parameters()}
             out[(name, offload)] = {
@@ -103,18 +103,6 @@ def _worker(rank: int, world_size: int, m: int) -> dict:
                 "queues": queues,
             }
     return out
-
-
-def _drops(actions: list) -> set[tuple[int, int]]:
-    """Chunks offloaded twice: dropped after their I, reloaded again for their W."""
-    seen, drops = set(), set()
-    for a in actions:
-        if str(getattr(a.computation_type, "value", a.computation_type)) == "OFFLOAD":
-            key = (a.stage_index, a.microbatch_index)
-            if key in seen:
-                drops.add(key)
-            seen.add(key)
-    return drops
 
 
 def _reference(d: int, m: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

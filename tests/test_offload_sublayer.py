@@ -16,7 +16,7 @@ import pytest
 import torch
 from _dist import run_on_ranks
 from _reference import sequential_reference
-from test_offload_budget import BLOCK_BYTES, HIDDEN, ONE_CHUNK, SCHEDULES, _batch, _loss, _step
+from test_offload_budget import BLOCK_BYTES, HIDDEN, ONE_CHUNK, SCHEDULES, _activations, _batch, _loss, _step
 from test_recompute_plan import TINY_STAGE
 from torch import nn
 
@@ -264,8 +264,7 @@ def _unit_step(
     return {
         "losses": losses,
         "grads": grads,
-        # activations only: not the deferred-W queues moved between I and W, (stage, microbatch, "queue")
-        "captured": {k: v for k, v in runtime.store.last_captured.items() if k[-1] != "queue"},
+        "captured": _activations(runtime.store.last_captured),
         "planned": {(*key, i) for key, n in runtime.moved.items() for i in range(n)},
     }
 

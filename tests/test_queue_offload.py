@@ -22,6 +22,7 @@ from pp_offload.order.offload import plan_offload
 from pp_offload.order.offload_inputs import OffloadInputs, StageBytes, activation_level, activation_peaks
 from pp_offload.plan.orders import build_order
 from pp_offload.runtime.deferred_w import WeightPass, collecting, defer_weight_grads
+from pp_offload.runtime.offload import queue_key
 from pp_offload.runtime.store import ActivationStore
 from pp_offload.sim import simulate
 
@@ -154,7 +155,7 @@ def test_a_queue_offloaded_between_i_and_w_gives_the_same_bits_and_frees_its_ten
     assert isinstance(weight_pass, WeightPass) and len(weight_pass.entries) == 2
     queued = weakref.ref(weight_pass.entries[1][1])  # down's input: an intermediate only the queue holds
     store = ActivationStore(device, min_numel=0)
-    key = (0, 0, "queue")
+    key = queue_key((0, 0))
     weight_pass.offload(store, key)
     gc.collect()
     assert queued() is None, "the queued tensor outlived its copy to host memory"

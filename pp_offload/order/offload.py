@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pp_offload.order.actions import Action, Costs, I, W
+from pp_offload.order.actions import OFFLOAD, Action, Costs, I, W
 from pp_offload.order.offload_placement import (
     _Chunk,
     _chunks,
@@ -121,6 +121,21 @@ class OffloadPlan:
         if changes:
             layered = {k: replace(v, **changes) for k, v in layered.items()}
         return simulate(self.order, costs, copy_lanes=self.policy.lanes, layered=layered)
+
+    def dropped_after_i(self, rank: int | None = None) -> list[tuple[int, int]]:
+        """(stage, microbatch) of the chunks this plan copies again between their I and their W (a second
+        OFFLOAD, after I), on ``rank`` or on every rank: under deferred W their W queue goes to host memory
+        and back; under torch's split their saved tensors are dropped and reloaded for W."""
+        again = []
+        for r in sorted(self.order) if rank is None else [rank]:
+            seen: set[tuple[int, int]] = set()
+            for action in self.order[r]:
+                if action.computation_type == OFFLOAD:
+                    key = (action.stage_index, action.microbatch_index)
+                    if key in seen:
+                        again.append(key)
+                    seen.add(key)
+        return again
 
     def moved_layers(self, rank: int) -> dict[tuple[int, int], int]:
         """Budget mode: layers moved per chunk of ``rank`` (0 for chunks of whole-chunk policies)."""

@@ -76,6 +76,8 @@ __all__ = [
     "OffloadRuntime",
     "attention_submodule",
     "enable_offload",
+    "is_queue_key",
+    "queue_key",
     "stage_layers",
     "stage_units",
     "unit_count",
@@ -83,6 +85,18 @@ __all__ = [
 
 _DEFAULT_TRANSFER = 0.5
 """One chunk's one-way copy time in F units when costs give none: the paper's k ~ 1 regime."""
+
+
+def queue_key(chunk: tuple[int, int]) -> tuple[int, int, str]:
+    """The activation store's key of chunk ``(stage, microbatch)``'s deferred-W queue."""
+    return (*chunk, "queue")
+
+
+def is_queue_key(key: Any) -> bool:
+    """Whether a store key names a deferred-W queue (`queue_key`) rather than activations: a chunk
+    ``(stage, microbatch)`` or a budget layer ``(stage, microbatch, layer)``."""
+    return isinstance(key, tuple) and key[-1:] == ("queue",)
+
 
 _DEFAULT_QUEUE = 1.0
 """Deferred W, when neither the costs nor planner inputs give it (`Costs.queue`): a chunk's W queue as a
@@ -106,7 +120,12 @@ class OffloadRuntime:
     spent: set[tuple[int, int]] = field(default_factory=set)
     """Deferred W: chunks released when their I ended, until their W ends; the plan's copies of them
     between I and W then move the chunk's W queue (`pp_offload.runtime.deferred_w.WeightPass`, store key
-    ``(stage, microbatch, "queue")``), which is all that waits for W."""
+    `queue_key`), which is all that waits for W."""
+
+    def moved_queues(self) -> set[tuple[int, int]]:
+        """(stage, microbatch) of this rank's chunks whose W queue the last step moved to host memory (a
+        queue with nothing in it moves no byte and is left out)."""
+        return {key[:2] for key, nbytes in self.store.last_captured.items() if is_queue_key(key) and nbytes}
 
 
 def enable_offload(
@@ -204,7 +223,7 @@ def enable_offload(
         if key in runtime.spent:  # deferred W, between I and W: what waits for W is the queue
             queued = weight_pass(key)
             if queued is not None:
-                queued.offload(store, (*key, "queue"))
+                queued.offload(store, queue_key(key))
             return
         if key not in moved:
             store.offload(key)
