@@ -527,7 +527,7 @@ class _TransferReplay:
         first = last = None
         queue = self.costs.queue_of(key[0]) if key in reload_end else None
         if queue is not None:  # deferred W, after I: one copy of the chunk's W queue, needed whole by W
-            first, last = self._queue_copy(r, kind, key, queue * sum(c), queue * self.scale, now)
+            first, last = self._copy(r, kind, key, queue * sum(c), queue * self.scale, now)
             if kind == RELOAD:
                 layer_ready[key] = [last] * spec.layers
             self.transfers[r].append((action, first, last))
@@ -567,11 +567,13 @@ class _TransferReplay:
             layer_ready[key] = ready
         self.transfers[r].append((action, first, last))
 
-    def _queue_copy(
+    def _copy(
         self, r: int, kind: str, key: tuple[int, int], copy: float, nbytes: float, now: float
     ) -> tuple[float, float]:
-        """A deferred-W queue's copy between I and W on rank r's lanes: an OFFLOAD frees ``nbytes`` when it
-        ends, a RELOAD takes them when it starts and W waits for its end. Returns (start, end)."""
+        """One copy of ``copy`` time on rank r's lanes, issued at ``now`` (a whole chunk, or a deferred-W
+        queue between I and W): an OFFLOAD frees ``nbytes`` when it ends, a RELOAD starts once the chunk's
+        OFFLOAD has ended, takes them when it starts, and the chunk's next pass waits for its end. Returns
+        (start, end)."""
         free = self.lane[r]
         if kind == OFFLOAD:
             start = max(now, free[0])
@@ -588,7 +590,7 @@ class _TransferReplay:
     def _issue(self, r: int) -> None:
         """Issue rank r's transfers that sit before its next compute pass, at its compute clock."""
         todo, i, now, free, at = self.found[r], self.tpos[r], self.clock[r], self.lane[r], self.pos[r]
-        extra, scale, copy, h2d = self.extra[r], self.scale, self.copy, self.h2d
+        extra, scale, copy = self.extra[r], self.scale, self.copy
         offload_end, reload_end, issued = self.offload_end, self.reload_end, self.issued[r]
         while i < len(todo) and todo[i][0] == at:
             _, action, kind, stage, mb = todo[i]
@@ -602,21 +604,13 @@ class _TransferReplay:
                 undo.append((table, key, table.get(key, _MISSING)))
                 queue = self.costs.queue_of(stage) if key in reload_end else None
                 if queue is not None:  # deferred W, after I: the copy moves the chunk's W queue
-                    start, finish = self._queue_copy(r, kind, key, queue * copy, queue * scale, now)
+                    start, finish = self._copy(r, kind, key, queue * copy, queue * scale, now)
                 elif kind == OFFLOAD and key in reload_end:  # again, after I: drop, no copy
                     start = finish = now
                     offload_end[key] = now
                     extra.append((now, -scale))
-                elif kind == OFFLOAD:
-                    start = max(now, free[0])
-                    free[0] = finish = start + copy
-                    offload_end[key] = finish
-                    extra.append((finish, -scale))
                 else:
-                    start = max(now, free[h2d], offload_end[key])
-                    free[h2d] = finish = start + copy
-                    reload_end[key] = finish
-                    extra.append((start, scale))
+                    start, finish = self._copy(r, kind, key, copy, scale, now)
                 self.transfers[r].append((action, start, finish))
             issued.append((((free[0], free[1]), len(extra), len(self.layer_transfers[r])), undo))
             i += 1
