@@ -51,6 +51,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from small_llama import llama_config
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB", "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B")
 MODES = (
@@ -81,26 +83,12 @@ def _config(quick: bool) -> dict[str, Any]:
     }
 
 
-def _llama_config(cfg: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=cfg["hidden"],
-        intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["layers"],
-        num_attention_heads=cfg["heads"],
-        num_key_value_heads=cfg["heads"],
-        vocab_size=cfg["vocab"],
-        attn_implementation="sdpa",
-    )
-
-
 def _model(cfg: dict[str, Any]) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_llama_config(cfg), dtype=torch.float32).train()
+    return AutoModelForCausalLM.from_config(llama_config(cfg), dtype=torch.float32).train()
 
 
 def _batch(cfg: dict[str, Any], m: int) -> dict[str, Any]:
@@ -195,7 +183,7 @@ def _predict(rank: int, cfg: dict[str, Any], m: int) -> tuple[dict[str, dict[tup
     step = _stepper(probe, ids, batch, split)
     measured = measure_step(probe, step, steps=2, recompute_modes=CALIBRATED_MODES)
     options = recompute_options(
-        _llama_config(cfg), seq_len=cfg["seq"], microbatch_size=1, machine="H100", dtype="fp32", modes=modes
+        llama_config(cfg), seq_len=cfg["seq"], microbatch_size=1, machine="H100", dtype="fp32", modes=modes
     )
     out = {}
     for key, meas in (("probe", measured), ("H100", replace(measured, recompute_costs=None))):

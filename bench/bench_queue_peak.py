@@ -44,6 +44,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from small_llama import llama_config
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SCHEDULES = ("ScheduleVHalf", "ScheduleVZB")
 MODES = (
@@ -64,20 +66,6 @@ CONFIG = {
     "seq": 256,
 }
 _MiB = float(1 << 20)
-
-
-def _hf_config() -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=CONFIG["hidden"],
-        intermediate_size=CONFIG["intermediate"],
-        num_hidden_layers=CONFIG["layers"],
-        num_attention_heads=CONFIG["heads"],
-        num_key_value_heads=CONFIG["kv_heads"],
-        vocab_size=CONFIG["vocab"],
-        attn_implementation="sdpa",
-    )
 
 
 class _Tracker:
@@ -171,7 +159,7 @@ def _setup(name: str, mode: str, deferred: bool, ranks: int, m: int) -> Any:
     from pp_offload.plan.handoff import planner_setup
 
     setup = planner_setup(
-        _hf_config(),
+        llama_config(CONFIG),
         schedule=name,
         pp=ranks,
         seq_len=CONFIG["seq"],
@@ -208,7 +196,7 @@ def _worker(rank: int, world_size: int, m: int) -> list[dict[str, Any]]:
                 info = schedule_info(name)
                 indices = stage_indices(rank, world_size, info.placement)
                 torch.manual_seed(0)
-                model = AutoModelForCausalLM.from_config(_hf_config(), dtype=torch.float32).train()
+                model = AutoModelForCausalLM.from_config(llama_config(CONFIG), dtype=torch.float32).train()
                 split = split_model(model, num_stages=2 * world_size, stage_indices=indices, verify=False)
                 recompute, _, rest = mode.partition(", offload ")
                 offload, _, placement = rest.partition(", ")
