@@ -17,9 +17,9 @@ inductor see one opaque op inside a compiled layer, and its backward calls a sec
 the input gradient and, when it runs, queues (copies of its tensors when the backward was compiled: inductor
 reuses an op's input buffers for later intermediates). In eager mode the same forward, context and backward
 run as a plain ``autograd.Function`` (`_EagerLinear`): torch.library's Python dispatch cost 67 us per layer
-call against 14 us (`bench/bench_linear_dispatch.py`). Changing what the registered backward does needs new op names: torch's
-compile caches (AOT autograd, FX graph) key on the forward graph, which names only the forward op, and
-would hand an old backward back. The runtime side is torch's own hook,
+call against 14 us (`bench/bench_linear_dispatch.py`). Changing what the registered backward does needs new
+op names: torch's compile caches (AOT autograd, FX graph) key on the forward graph, which names only the
+forward op, and would hand an old backward back. The runtime side is torch's own hook,
 ``PipelineStage(..., dw_builder=...)``: with a builder, the stage runs a full backward at I and calls the
 builder's runner at W (at once after a B).
 
