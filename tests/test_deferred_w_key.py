@@ -14,7 +14,7 @@ from pp_offload.plan.auto import RecomputeOption
 from pp_offload.plan.probe import Measurement, predicted_measurement
 from pp_offload.plan.recompute_calibration import ModeCost, RecomputeCalibration
 from pp_offload.recipe import ConfigError, RecipeConfig, load_config
-from pp_offload.recipe.preflight import preflight
+from pp_offload.recipe.preflight import check_pipeline
 from pp_offload.recipe.topology import Topology
 
 # A Llama small enough to plan in milliseconds, with layers wide enough that the queue shows
@@ -69,7 +69,7 @@ def test_the_config_reference_explains_the_key() -> None:
 
 
 def _preflight(config: RecipeConfig) -> None:
-    preflight(config, Topology(rank=0, world=2, local_rank=0, pp=2, dp=1), 4)
+    check_pipeline(config, Topology(rank=0, world=2, local_rank=0, pp=2, dp=1), 4)
 
 
 @pytest.mark.parametrize(

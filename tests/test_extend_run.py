@@ -161,7 +161,8 @@ def test_one_process_extended_run_says_what_it_does(
     import csv
 
     from pp_offload.recipe import ConfigError
-    from pp_offload.recipe.train import ONE_PROCESS_NOTE, run
+    from pp_offload.recipe.single_process import ONE_PROCESS_NOTE
+    from pp_offload.recipe.train import run
 
     def config(steps: int, **data: object) -> RecipeConfig:
         return RecipeConfig.from_dict(

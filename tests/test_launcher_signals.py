@@ -24,8 +24,8 @@ import pytest
 import yaml
 from _tiny_hf import RECIPE_LLAMA
 
-from pp_offload.recipe.launcher import _check_nodes, add_arguments, torchrun_command
 from pp_offload.recipe.signals import run_forwarding_signals
+from pp_offload.recipe.train_command import _check_nodes, add_arguments, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 

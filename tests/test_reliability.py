@@ -57,9 +57,9 @@ def _patch_step(rank: int, step: int, *, before=None, nan: bool = False):  # noq
     return a NaN loss; returns the undo."""
     import torch.distributed as dist
 
-    import pp_offload.recipe.train as train
+    from pp_offload.recipe.pipeline import Pipeline
 
-    real = train._pipeline_step
+    real = Pipeline.forward_backward
     calls = [0]
 
     def wrapped(pipeline, batch):  # noqa: ANN001, ANN202
@@ -70,10 +70,10 @@ def _patch_step(rank: int, step: int, *, before=None, nan: bool = False):  # noq
         loss = real(pipeline, batch)
         return loss * float("nan") if hit and nan else loss
 
-    train._pipeline_step = wrapped
+    Pipeline.forward_backward = wrapped
 
     def undo() -> None:
-        train._pipeline_step = real
+        Pipeline.forward_backward = real
 
     return undo
 

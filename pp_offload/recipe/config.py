@@ -18,6 +18,7 @@ from pp_offload.data import DataConfig, DataError
 from pp_offload.recipe.config_types import ConfigTypeError, check_section
 
 __all__ = [
+    "TRAIN_TOKENIZER",
     "ConfigError",
     "LoraConfig",
     "ModelConfig",
@@ -31,6 +32,10 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A bad recipe configuration; the message names the key, the bad value and the fix."""
+
+
+#: ``model.tokenizer``'s value that trains a byte-level BPE on the training data.
+TRAIN_TOKENIZER = "train"
 
 
 @dataclass
@@ -292,9 +297,17 @@ class RecipeConfig:
         return data
 
     def validated(self) -> RecipeConfig:
-        """This config read back through `from_dict`: every value checked against its key's type and
-        range, as a config read from YAML is (for a config built or changed in Python)."""
-        return _build(self.to_dict(), "defaults")
+        """This config read back through `from_dict` (every value checked against its key's type and
+        range, as a config read from YAML is, for a config built or changed in Python), then checked as a
+        whole: the keys that must go together (`_check_combinations`).
+
+        Why two steps: `from_dict` and `load_config` accept a partial config (no model yet, an override
+        still to come); a run needs a whole one. `validated` and `pp_offload.recipe.preflight.preflight`
+        (what needs the machine, the model's config or the schedule catalog) are every check a config
+        gets: the ranks and the launcher call both, first."""
+        config = _build(self.to_dict(), "defaults")
+        _check_combinations(config)
+        return config
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "config") -> RecipeConfig:
@@ -351,6 +364,67 @@ def _build(data: dict[str, Any], where: str) -> RecipeConfig:
     if isinstance(config.train.betas, list):
         config.train.betas = tuple(config.train.betas)
     return config
+
+
+def _check_combinations(config: RecipeConfig) -> None:
+    """Keys that need each other or exclude each other, decided from the config alone."""
+    model, train = config.model, config.train
+    if (model.path is None) == (model.config is None):
+        raise ConfigError("set exactly one of model.path (hub id or local dir) and model.config (a dict)")
+    if model.tokenizer == TRAIN_TOKENIZER and model.path is not None:
+        raise ConfigError(
+            f"model.tokenizer=train trains a new tokenizer, whose token ids the pretrained model.path="
+            f"{model.path!r} has never seen: use its own tokenizer (leave model.tokenizer unset), or build a "
+            "new model from model.config"
+        )
+    if model.tokenizer == TRAIN_TOKENIZER and config.data.streaming:
+        raise ConfigError(
+            "model.tokenizer=train reads all the data to train a tokenizer, data.streaming never does: "
+            "train one once (pp_offload.data.tokenizer.train_tokenizer on a sample, then "
+            "save_pretrained) and set model.tokenizer to its directory, or prepare the data "
+            "(data.streaming: false)"
+        )
+    _check_recompute_and_compile(train)
+    if (train.eval_every or train.eval_batches is not None) and not config.data.has_eval:
+        raise ConfigError(
+            "train.eval_every / train.eval_batches need held-out data: set data.eval_split (the embedded "
+            "corpus has 'validation') or data.eval_path"
+        )
+    _check_auto_keys(config.pipeline)
+
+
+def _check_recompute_and_compile(train: TrainConfig) -> None:
+    """``train.activation_checkpointing`` must parse, and ``train.compile`` must be a compile setting whose
+    recompute plan compiles (the rules are the runtime's: `pp_offload.runtime.compile`)."""
+    from pp_offload.parallel import checkpointing_mode
+    from pp_offload.runtime.compile import CompileOptions, check_recompute_compiles
+
+    try:
+        recompute = checkpointing_mode(train.activation_checkpointing)
+    except ValueError as error:
+        raise ConfigError(f"train.activation_checkpointing: {error}") from None
+    try:
+        if CompileOptions.coerce(train.compile) is not None:
+            check_recompute_compiles(recompute)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def _check_auto_keys(spec: PipelineConfig) -> None:
+    """``schedule: auto`` chooses schedule, offload and costs itself; it takes only the memory limits and,
+    as ``offload``, a list of the offload policies it may choose from (each checked by the planner, in
+    `pp_offload.recipe.preflight`)."""
+    if str(spec.schedule).lower() != "auto":
+        return
+    given = [k for k in ("costs", "layers_per_stage", "stages_per_rank") if getattr(spec, k) is not None]
+    if spec.offload not in (None, "none") and not isinstance(spec.offload, list):
+        given.insert(0, "offload")
+    if given:
+        raise ConfigError(
+            f"pipeline.{given[0]} cannot be set with pipeline.schedule=auto (auto chooses the schedule, the "
+            "offload policy and the costs from a probe step); remove it, or name a schedule instead of auto"
+            + (" (a list of offload policies auto may choose from is fine)" if given[0] == "offload" else "")
+        )
 
 
 def _prefix(where: str) -> str:
