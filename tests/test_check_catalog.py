@@ -50,7 +50,7 @@ def _config(
             "activation_checkpointing": recompute,
             "warmup_steps": 1,
         },
-        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False},
+        "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0, "export": False},
     }
     for section, values in sections.items():
         config[section] = {**config.get(section, {}), **values}

@@ -171,7 +171,12 @@ def test_one_process_extended_run_says_what_it_does(
                 "data": {"path": "embedded", "seq_len": 32, "max_examples": 32, **data},
                 "pipeline": {"microbatches": 2},
                 "train": {"steps": steps, "global_batch_size": 2, "warmup_steps": 1, "device": "cpu"},
-                "output": {"dir": str(tmp_path / "run"), "metrics": ["csv"], "export": False, "log_every": 0},
+                "output": {
+                    "dir": str(tmp_path / "run"),
+                    "report_to": ["csv"],
+                    "export": False,
+                    "log_every": 0,
+                },  # fmt: skip
             }
         )
 

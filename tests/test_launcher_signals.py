@@ -242,7 +242,7 @@ def test_two_nodes_on_loopback_and_sigterm_to_one_launcher(tmp_path: Path) -> No
             "stall_timeout": 60,
             "timeout_s": 60,
         },
-        "output": {"dir": str(out), "metrics": [], "log_every": 1, "export": False, "timeline": False},
+        "output": {"dir": str(out), "report_to": [], "log_every": 1, "export": False, "timeline": False},
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

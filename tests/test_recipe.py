@@ -38,7 +38,7 @@ def _config(
         "data": {"path": "embedded", "seq_len": 32, "max_examples": 400},
         "pipeline": {"schedule": schedule, "microbatches": 4},
         "train": {"steps": steps, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2},
-        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0},
+        "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0},
     }
     for key, value in extra.items():
         section, name = key.split("__")

@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
         "resume",
         "runner",
         "metrics",
+        "optimizer",
         "offload_figures",
     },
     {"preflight"},  # every check that needs more than the config

@@ -34,7 +34,7 @@ def _config(out: Path, **extra: object) -> dict:
         "data": {"path": "embedded", "seq_len": 32, "max_examples": 100},
         "pipeline": {"schedule": "ScheduleVHalf", "microbatches": 4},
         "train": {"steps": STEPS, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "stall_timeout": 60},
-        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False, "timeline": False},
+        "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0, "export": False, "timeline": False},
     }
     for key, value in extra.items():
         section, name = key.split("__")

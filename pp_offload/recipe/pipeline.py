@@ -5,6 +5,7 @@ the recipe's `pp_offload.recipe.runner.Runner` for more than one process).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pp_offload.models import ModelSplit, TokenCrossEntropy, split_model
 from pp_offload.models.evaluate import EvalResult, evaluate_pipeline
 from pp_offload.parallel import ShardedStages, clip_grad_norm_, grad_norm
-from pp_offload.recipe.config import RecipeConfig
+from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.offload_figures import planner_offload_inputs
 from pp_offload.recipe.runner import Runner
 from pp_offload.recipe.timeline import StepTimeline
@@ -29,7 +30,15 @@ from pp_offload.runtime.compile import CompileOptions, CompileWatch, compile_lay
 from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, unkeyed_dropout
 from pp_offload.runtime.progress import StepProgress, track_actions, waiting_peer
 
-__all__ = ["Pipeline", "apply_recompute", "build_pipeline", "rank_schedule", "split_for_rank"]
+__all__ = [
+    "Pipeline",
+    "apply_recompute",
+    "build_pipeline",
+    "rank_schedule",
+    "refuse_reused_weights",
+    "split_for_rank",
+    "torch_split_counts_a_reused_weight_once",
+]
 
 
 @dataclass
@@ -272,13 +281,56 @@ def split_for_rank(
     asks (``pipeline.layers_per_stage``; ``model.verify_split`` unless ``verify`` is off)."""
     spec = config.pipeline
     per_rank = info.stages_per_rank(spec.stages_per_rank)
-    return split_model(
+    split = split_model(
         model,
         num_stages=pp * per_rank,
         stage_indices=stage_indices(pp_rank, pp, info.placement, per_rank),
         layers_per_stage=spec.layers_per_stage,
         verify=verify and config.model.verify_split,
     )
+    refuse_reused_weights(info, split.stages, deferred_w=spec.deferred_w)
+    return split
+
+
+def refuse_reused_weights(info: ScheduleInfo, stages: dict[int, nn.Module], *, deferred_w: bool) -> None:
+    """Refuse torch's retained-graph split (``pipeline.deferred_w: false`` on a split-backward schedule) for
+    a stage that holds one parameter under two names (a weight tied within the stage, a block shared by
+    two of its layers: used twice on the stage's one path) where torch's split counts such a weight's
+    gradient twice (pytorch #180952, fixed in torch 2.14; asked of torch itself). A weight used twice
+    through one module called twice is not seen here: the split's proof (``model.verify_split``) runs
+    unsplit against chained stages, not torch's split."""
+    if deferred_w or not info.split_backward:
+        return
+    for index, module in sorted(stages.items()):
+        names: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        shared = [found for found in names.values() if len(found) > 1]
+        if shared and not torch_split_counts_a_reused_weight_once():
+            raise ConfigError(
+                f"pipeline.deferred_w=false on {info.name}: stage {index} uses one weight twice "
+                f"({' and '.join(shared[0])}), and torch {torch.__version__}'s retained-graph split adds "
+                "such a weight's gradient twice (pytorch #180952, fixed in torch 2.14): keep "
+                "pipeline.deferred_w=true (the default), or use torch 2.14 or later"
+            )
+
+
+@functools.cache
+def torch_split_counts_a_reused_weight_once() -> bool:
+    """Whether torch's split backward (``stage_backward_input`` then ``stage_backward_weight``) gives a
+    weight used twice on one path (``x @ w @ w``) the gradient autograd gives it: the behaviour pytorch
+    #180952 fixed, asked of the installed torch rather than read from its version."""
+    from pp_offload.runtime.compat import stage_backward_input, stage_backward_weight
+
+    start = torch.tensor([[0.4, -0.2], [0.7, 0.3]])
+    x = torch.tensor([[1.1, -0.7]])
+    w = start.clone().requires_grad_()
+    (want,) = torch.autograd.grad((x @ w @ w).sum(), [w])
+    weight = nn.Parameter(start.clone())
+    inputs = x.clone().requires_grad_()
+    _, groups = stage_backward_input([(inputs @ weight @ weight).sum()], None, [inputs], iter([weight]))
+    stage_backward_weight(iter([weight]), groups)
+    return weight.grad is not None and torch.allclose(weight.grad, want)
 
 
 def apply_recompute(config: RecipeConfig, split: ModelSplit) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pp_offload.recipe.config import TRAIN_TOKENIZER, ConfigError, RecipeConfig
+from pp_offload.recipe.metrics import check_report_targets
 from pp_offload.recipe.model_loading import hf_config_of
 from pp_offload.recipe.topology import Topology
 from pp_offload.runtime.catalog import ScheduleInfo, schedule_info
@@ -43,8 +44,11 @@ def preflight(config: RecipeConfig, topo: Topology, *, per_node: int | None = No
     """Check a `RecipeConfig.validated` config for a run on ``topo``: devices (``per_node``: the processes
     on this node, whose GPUs the launcher counts; None on a rank, which checks its own GPU when it picks
     it), model and tokenizer sources, the pipeline against the model's layer count, the sequence length
-    against its positions. Raises `ConfigError` with one line naming the keys and the fix."""
+    against its positions, the optimizer's implementation and the report targets' packages. Raises
+    `ConfigError` with one line naming the keys and the fix."""
     _check_devices(config, per_node)
+    _check_optimizer(config)
+    check_report_targets(config)
     check_model_sources(config)
     hf_config = hf_config_of(config)
     layers = getattr(hf_config, "num_hidden_layers", None) if topo.distributed else None
@@ -170,6 +174,27 @@ def _check_devices(config: RecipeConfig, per_node: int | None) -> None:
         )
     if not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+
+
+def _check_optimizer(config: RecipeConfig) -> None:
+    """A fused AdamW needs torch's fused kernel for the run's device type: asked of torch itself, with a
+    one-element optimizer (torch refuses at construction where it has none)."""
+    from pp_offload.recipe.optimizer import OPTIMIZERS
+
+    if not OPTIMIZERS[config.train.optimizer].get("fused"):
+        return
+    import torch
+
+    choice = config.train.device
+    kind = "cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu"
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=kind, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError) as error:
+        reason = " ".join(str(error).split())
+        raise ConfigError(
+            f"train.optimizer={config.train.optimizer}: torch {torch.__version__} has no fused AdamW for "
+            f"{kind} tensors ({reason}); use adamw or adamw_foreach"
+        ) from None
 
 
 def check_model_sources(config: RecipeConfig) -> None:

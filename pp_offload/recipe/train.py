@@ -3,7 +3,8 @@
 A step: take this data-parallel rank's slice of the global batch (a pure function of the step, so resume is
 exact), run the forward and backward passes (`pp_offload.recipe.runner.Runner`: the pipeline schedule, or
 with one process the unsplit model on the same microbatches, the reference the pipelined run must
-reproduce), clip by the norm over every pipeline and data-parallel rank, step the optimizer. Rank 0 shows
+reproduce), clip by the norm over every pipeline and data-parallel rank, step the optimizer (AdamW with
+transformers Trainer's weight-decay groups: `pp_offload.recipe.optimizer`). Rank 0 shows
 a progress bar and logs loss, tokens/s, learning rate and the device peak (`pp_offload.recipe.metrics`).
 With held-out data the validation loss is measured every ``train.eval_every`` steps and at the end
 (`pp_offload.recipe.held_out`); the model is exported at the end (`pp_offload.recipe.run_export`). With a
@@ -48,6 +49,7 @@ from pp_offload.recipe.held_out import HeldOut
 from pp_offload.recipe.lr import lr_at, warmup_warning
 from pp_offload.recipe.metrics import RunMetrics, device_peak_mib
 from pp_offload.recipe.model_loading import load_model, packing_note
+from pp_offload.recipe.optimizer import build_optimizer, decay_groups
 from pp_offload.recipe.pipeline import Pipeline, build_pipeline
 from pp_offload.recipe.preempt import StopRequest
 from pp_offload.recipe.preflight import preflight
@@ -105,14 +107,13 @@ def _run(
         if topo.distributed:
             dist.barrier()
     model = load_model(config, data.tokenizer, partial=topo.distributed)
-    if topo.rank == 0 and (note := packing_note(model)):
-        print(note, flush=True)
+    if topo.rank == 0:
+        if note := packing_note(model):
+            print(note, flush=True)
+        whole = decay_groups(unwrap_peft(model), config.train.weight_decay_exclude)  # before the split
+        print(whole.note(config.train), flush=True)
     config, runner, decision = _runner(config, model, topo, device, data, out, plan)
-    train = config.train
-    trainable = [p for p in runner.module.parameters() if p.requires_grad]  # with LoRA: the adapters only
-    optimizer = torch.optim.AdamW(
-        trainable, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
-    )
+    optimizer = build_optimizer(config.train, runner.module)  # with LoRA: the adapters only
     result = RunResult(output_dir=out, schedule=runner.name)
     if decision is not None:
         result.auto = decision.to_dict()
