@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pp_offload.recipe.config import RecipeConfig
+from pp_offload.recipe.config import RecipeConfig, TrainConfig
+from pp_offload.recipe.lr import lr_at
 
 __all__ = [
     "DOC_PATH",
@@ -293,9 +294,6 @@ def _warmup_table(lr: float = 1e-3, warmup: int = 4, steps: int = 6) -> list[str
     constant rate after it), under the recipe's convention and Trainer's."""
     import torch
     from transformers import get_scheduler
-
-    from pp_offload.recipe.config import RecipeConfig, TrainConfig
-    from pp_offload.recipe.lr import lr_at
 
     config = RecipeConfig(train=TrainConfig(lr=lr, warmup_steps=warmup, steps=100, lr_schedule="constant"))
     ours = [lr_at(config, k) for k in range(steps)]

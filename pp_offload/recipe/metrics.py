@@ -52,7 +52,7 @@ class RunMetrics:
     """``output.report_to``'s writers, opened under the run's directory ``out``."""
 
     def __init__(self, config: RecipeConfig, out: Path, resumed: bool, start: int = 0) -> None:
-        check_report_targets(config)
+        """``config``: checked by `pp_offload.recipe.preflight.preflight` (every target's package)."""
         self.writers: list[Any] = []
         for target in dict.fromkeys(config.output.report_to):  # in order, once each
             if target == "csv":

@@ -18,6 +18,7 @@ from typing import Any
 from pp_offload.recipe.config import TRAIN_TOKENIZER, ConfigError, RecipeConfig
 from pp_offload.recipe.metrics import check_report_targets
 from pp_offload.recipe.model_loading import hf_config_of
+from pp_offload.recipe.optimizer import OPTIMIZERS
 from pp_offload.recipe.topology import Topology
 from pp_offload.runtime.catalog import ScheduleInfo, schedule_info
 
@@ -179,8 +180,6 @@ def _check_devices(config: RecipeConfig, per_node: int | None) -> None:
 def _check_optimizer(config: RecipeConfig) -> None:
     """A fused AdamW needs torch's fused kernel for the run's device type: asked of torch itself, with a
     one-element optimizer (torch refuses at construction where it has none)."""
-    from pp_offload.recipe.optimizer import OPTIMIZERS
-
     if not OPTIMIZERS[config.train.optimizer].get("fused"):
         return
     import torch
