@@ -91,7 +91,7 @@ def spread_construction_time(d: int, m: int, costs_name: str, serial: dict | Non
     previous one (packing and unpacking included), i.e. the wall time with a core per rank, less the
     exchanges' network latency (this machine may have fewer cores than ranks, so its wall time says
     nothing)."""
-    from pp_offload.launch import run_on_ranks
+    from pp_offload.local_ranks import run_on_ranks
 
     results = run_on_ranks(_spread_rank, d, d, m, costs_name, timeout=3600, op_timeout=900)
     cpu = [r[0] for r in results]

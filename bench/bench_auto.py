@@ -201,7 +201,7 @@ def _budgets(meas: Any, m: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _worker(rank: int, d: int, cfg: dict) -> dict[str, Any]:
-    import pp_offload.launch as launch
+    import pp_offload.local_ranks as local_ranks
     from pp_offload.plan.auto import (
         DEFAULT_OFFLOAD,
         DEFAULT_SCHEDULES,
@@ -261,7 +261,7 @@ def _worker(rank: int, d: int, cfg: dict) -> dict[str, Any]:
                 times[i].append(makespan)
                 peaks[i] = [max(a, b) for a, b in zip(peaks[i], peak, strict=True)]
         if rank == 0:
-            launch.send("progress", (k + 1, rounds))
+            local_ranks.send("progress", (k + 1, rounds))
     fixed = [
         {
             "schedule": name,
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from tqdm import tqdm
 
-    from pp_offload.launch import run_on_ranks
+    from pp_offload.local_ranks import run_on_ranks
 
     ranks = args.ranks or ([2] if args.quick else [2, 4])
     ratios = args.ratios or (["3:4:2"] if args.quick else ["1:1:1", "3:4:2"])

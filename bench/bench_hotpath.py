@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--microbatches must be >= 2 (2 pipeline ranks), got {args.microbatches}")
     import torch
 
-    from pp_offload.launch import run_on_ranks
+    from pp_offload.local_ranks import run_on_ranks
 
     cfg = _config(args.quick)
     began, load_before = time.perf_counter(), os.getloadavg()

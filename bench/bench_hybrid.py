@@ -141,14 +141,14 @@ def _layer_ms(args: argparse.Namespace) -> tuple[float, float, float]:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Worker side (one process per rank, `pp_offload.launch.run_on_ranks`)
+# Worker side (one process per rank, `pp_offload.local_ranks.run_on_ranks`)
 
 
 def _worker(rank: int, world: int, configs: list[Config], args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from pp_offload.emulate import measure_p2p_latency
-    from pp_offload.launch import send
+    from pp_offload.local_ranks import send
     from pp_offload.parallel import build_mesh
 
     comm_s = measure_p2p_latency(shape=(args.microbatch_size, args.hidden))  # ranks 0 and 1: a pipeline pair
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     from tqdm import tqdm
 
-    from pp_offload.launch import run_on_ranks
+    from pp_offload.local_ranks import run_on_ranks
 
     configs = [] if args.recipe_only else [Config(s, pp, dp) for s in args.schedules for pp, dp in LAYOUTS]
     recipe_runs = [

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from pp_offload.launch import run_on_ranks
+    from pp_offload.local_ranks import run_on_ranks
 
     ranks = args.ranks
     m = args.microbatches or 2 * ranks

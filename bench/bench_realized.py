@@ -91,11 +91,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _worker(rank: int, world: int, configs: list[Config], args: argparse.Namespace) -> None:
-    """One rank (run by `pp_offload.launch.run_on_ranks`, in a gloo group): every configuration in turn;
+    """One rank (run by `pp_offload.local_ranks.run_on_ranks`, in a gloo group): every configuration in turn;
     rank 0 sends each one's record to the parent as it finishes."""
     import torch.distributed as dist
 
-    from pp_offload.launch import send
+    from pp_offload.local_ranks import send
 
     shape = (args.microbatch_size, args.hidden)
     comm_s = 0.0
@@ -220,9 +220,9 @@ def _executed_order(schedule: Any) -> dict[int, list[Any]]:
 
 def _run_group(world: int, configs: list[Config], args: argparse.Namespace, on_result: Any) -> None:
     """Run ``world`` ranks that run ``configs`` in order; a failing rank stops all with its traceback
-    (`pp_offload.launch.RankError`), and so does any configuration, or the start, that takes longer than
-    ``--timeout`` (`pp_offload.launch.RankTimeout`, with every rank's stack)."""
-    from pp_offload.launch import run_on_ranks
+    (`pp_offload.local_ranks.RankError`), and so does any configuration, or the start, that takes longer than
+    ``--timeout`` (`pp_offload.local_ranks.RankTimeout`, with every rank's stack)."""
+    from pp_offload.local_ranks import run_on_ranks
 
     def on_message(rank: int, kind: str, record: Any) -> None:
         if kind == "result":

@@ -44,7 +44,7 @@ def _config(out: Path, model: dict, steps: int) -> RecipeConfig:
             "data": {"path": "embedded", "seq_len": 32, "max_examples": 400},
             "pipeline": {"schedule": "ScheduleVHalf", "microbatches": 4},
             "train": {"steps": steps, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2},
-            "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False},
+            "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0, "export": False},
         }
     )
 

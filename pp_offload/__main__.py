@@ -2,7 +2,7 @@
 
 Commands:
   demo    train a small model with six pipeline schedules on CPU and compare them (`pp_offload.demo`)
-  train   check a recipe config, then fine-tune with torchrun on this machine (`pp_offload.recipe.launcher`)
+  train   check a recipe config, then fine-tune with torchrun here (`pp_offload.recipe.train_command`)
   plan    choose a schedule and an offload policy for a model on a machine (`pp_offload.plan`)
   families  which Hugging Face causal LMs split exactly (`pp_offload.families_cli`)
 """
@@ -19,7 +19,7 @@ from pp_offload import __version__
 def _parser() -> argparse.ArgumentParser:
     from pp_offload import demo, families_cli
     from pp_offload.plan import cli as plan_cli
-    from pp_offload.recipe import launcher
+    from pp_offload.recipe import train_command
 
     parser = argparse.ArgumentParser(
         prog="pp-offload",
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         ("demo", demo, "train a small model with six pipeline schedules on CPU and compare them (~1 minute)"),
         (
             "train",
-            launcher,
+            train_command,
             "check a recipe config, then fine-tune with torchrun on this machine (one line per config error)",
         ),
         (

@@ -178,11 +178,11 @@ def reference_losses(config: DemoConfig) -> list[float]:
 
 
 def _rank_main(rank: int, world_size: int, config: DemoConfig, specs: list[_Spec]) -> list[dict[str, Any]]:
-    """One pipeline rank (run by `pp_offload.launch.run_on_ranks`, in a gloo group): train with every
+    """One pipeline rank (run by `pp_offload.local_ranks.run_on_ranks`, in a gloo group): train with every
     schedule; rank 0 streams progress to the parent and returns what it measured (others: [])."""
     import torch.distributed as dist
 
-    from pp_offload.launch import send
+    from pp_offload.local_ranks import send
 
     records = []
     for spec in specs:
@@ -277,7 +277,7 @@ def _train(rank: int, config: DemoConfig, spec: _Spec) -> dict[str, Any]:
 
 def _launch(config: DemoConfig, specs: list[_Spec], on_event: Any) -> list[dict[str, Any]]:
     """Run the ranks; a failing rank stops all of them and raises `DemoError` with its traceback."""
-    from pp_offload.launch import RankError, RankTimeout, format_stacks, run_on_ranks
+    from pp_offload.local_ranks import RankError, RankTimeout, format_stacks, run_on_ranks
 
     try:
         per_rank = run_on_ranks(

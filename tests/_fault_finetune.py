@@ -10,8 +10,8 @@ import os
 import signal
 import sys
 
-import pp_offload.recipe.train as train
 from pp_offload.recipe.cli import main
+from pp_offload.recipe.pipeline import Pipeline
 
 
 def _install() -> None:
@@ -21,7 +21,7 @@ def _install() -> None:
     rank, step = (int(x) for x in spec.split(":"))
     if int(os.environ.get("RANK", "0")) != rank:
         return
-    real = train._pipeline_step
+    real = Pipeline.forward_backward
     calls = [0]
 
     def step_then_die(pipeline, batch):  # noqa: ANN001, ANN202
@@ -30,7 +30,7 @@ def _install() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real(pipeline, batch)
 
-    train._pipeline_step = step_then_die
+    Pipeline.forward_backward = step_then_die
 
 
 if __name__ == "__main__":

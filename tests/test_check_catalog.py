@@ -25,7 +25,7 @@ from pp_offload.order.offload import offload_examples, resolve_offload
 from pp_offload.parallel import checkpointing_mode
 from pp_offload.recipe import ConfigError, RecipeConfig
 from pp_offload.recipe.dry_build import DryBuild, dry_build
-from pp_offload.recipe.preflight import preflight
+from pp_offload.recipe.preflight import check_pipeline
 from pp_offload.recipe.topology import Topology
 from pp_offload.recompute_plan import recompute_examples
 from pp_offload.runtime.catalog import schedule_info, schedule_names
@@ -50,7 +50,7 @@ def _config(
             "activation_checkpointing": recompute,
             "warmup_steps": 1,
         },
-        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False},
+        "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0, "export": False},
     }
     for section, values in sections.items():
         config[section] = {**config.get(section, {}), **values}
@@ -77,7 +77,7 @@ def _check(config: dict, tokenizer: Any, topo: Topology = TOPO) -> DryBuild:
     """What ``--check`` runs for a pipelined config after the data checks: the config checks every rank makes
     (preflight), then the dry build; its stdout (rank 0's lines) swallowed."""
     recipe = RecipeConfig.from_dict(config).validated()
-    preflight(recipe, topo, recipe.model.config["num_hidden_layers"] if recipe.model.config else None)
+    check_pipeline(recipe, topo, recipe.model.config["num_hidden_layers"] if recipe.model.config else None)
     with contextlib.redirect_stdout(io.StringIO()):
         return dry_build(recipe, topo, tokenizer)
 
@@ -152,14 +152,14 @@ def test_check_refuses_what_every_rank_refuses_in_one_line(tmp_path: Path, token
 def test_cli_check_builds_and_refuses_with_exit_2(tmp_path: Path, cache: Path, capsys) -> None:
     """``pp-offload train --check``: the fixed budget:sublayer config the issue reported passes and says what
     it built; a split that cannot be built ends in one line on stderr and exit code 2."""
-    from pp_offload.recipe import launcher
+    from pp_offload.recipe import train_command
 
     def run(config: dict) -> int:
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump(config))
         parser = argparse.ArgumentParser()
-        launcher.add_arguments(parser)
-        return launcher.run_from_args(
+        train_command.add_arguments(parser)
+        return train_command.run_from_args(
             parser.parse_args(["--nproc-per-node", "2", "--config", str(path), "--check"])
         )
 

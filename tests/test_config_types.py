@@ -82,9 +82,12 @@ def test_the_issue_cases_and_the_range_and_choice_tables() -> None:
     ):
         load_config(None, ["pipeline.memory_limit=2"])
     with pytest.raises(
-        ValueError, match=r"^output\.metrics=\['csv', 'wandb'\] must be a list of: csv, tensorboard"
+        ValueError,
+        match=r"^output\.report_to=\['csv', 'comet'\] must be a list of: csv, tensorboard, wandb, mlflow",
     ):
-        load_config(None, ["output.metrics=[csv, wandb]"])
+        load_config(None, ["output.report_to=[csv, comet]"])
+    with pytest.raises(ValueError, match=r"unknown key output\.metrics: it is now output\.report_to"):
+        load_config(None, ["output.metrics=[csv]"])
     with pytest.raises(
         ValueError, match=r"^train\.betas=\[0\.9\] must be a list of 2 numbers, each in \[0, 1\)$"
     ):

@@ -14,7 +14,7 @@ from pp_offload.plan.auto import RecomputeOption
 from pp_offload.plan.probe import Measurement, predicted_measurement
 from pp_offload.plan.recompute_calibration import ModeCost, RecomputeCalibration
 from pp_offload.recipe import ConfigError, RecipeConfig, load_config
-from pp_offload.recipe.preflight import preflight
+from pp_offload.recipe.preflight import check_pipeline
 from pp_offload.recipe.topology import Topology
 
 # A Llama small enough to plan in milliseconds, with layers wide enough that the queue shows
@@ -69,7 +69,7 @@ def test_the_config_reference_explains_the_key() -> None:
 
 
 def _preflight(config: RecipeConfig) -> None:
-    preflight(config, Topology(rank=0, world=2, local_rank=0, pp=2, dp=1), 4)
+    check_pipeline(config, Topology(rank=0, world=2, local_rank=0, pp=2, dp=1), 4)
 
 
 @pytest.mark.parametrize(
@@ -356,7 +356,7 @@ def test_torchs_split_trains_the_default_runs_losses_on_v_half(tmp_path: Path) -
                 "warmup_steps": 1,
                 "activation_checkpointing": "full",
             },
-            "output": {"dir": str(tmp_path / name), "metrics": ["csv"], "log_every": 0, "export": False},
+            "output": {"dir": str(tmp_path / name), "report_to": ["csv"], "log_every": 0, "export": False},
         }
 
     cache = str(tmp_path / "cache")
@@ -383,3 +383,51 @@ def test_when_nothing_fits_under_deferred_w_torchs_split_is_suggested_where_it_f
     ):
         plan(TINY, gpu_memory_gib=between, **kw)
     plan(TINY, gpu_memory_gib=between, deferred_w=False, **kw)  # fits
+
+
+# torch's split of a weight used twice in one stage (pytorch #180952)
+
+
+def test_a_stage_that_uses_a_weight_twice_is_refused_where_torchs_split_double_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch import nn
+
+    from pp_offload.recipe import pipeline
+    from pp_offload.runtime.catalog import schedule_info
+
+    shared = nn.Linear(2, 2)
+    stages = {0: nn.Sequential(shared, nn.Tanh(), shared), 3: nn.Linear(2, 2)}
+    v_half = schedule_info("ScheduleVHalf")
+    monkeypatch.setattr(pipeline, "torch_split_counts_a_reused_weight_once", lambda: False)
+    with pytest.raises(ConfigError) as caught:
+        pipeline.refuse_reused_weights(v_half, stages, deferred_w=False)
+    message = str(caught.value)
+    assert "stage 0 uses one weight twice (0.weight and 2.weight)" in message
+    assert "pytorch #180952" in message and "pipeline.deferred_w=true" in message and "torch 2.14" in message
+    pipeline.refuse_reused_weights(v_half, stages, deferred_w=True)  # deferred W: the key's default
+    pipeline.refuse_reused_weights(schedule_info("ScheduleInterleaved1F1B"), stages, deferred_w=False)
+    pipeline.refuse_reused_weights(v_half, {3: stages[3]}, deferred_w=False)  # nothing shared
+    monkeypatch.setattr(pipeline, "torch_split_counts_a_reused_weight_once", lambda: True)
+    pipeline.refuse_reused_weights(v_half, stages, deferred_w=False)  # a torch with the fix
+
+
+def test_the_question_to_torch_sees_a_double_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe answers from torch's behaviour: a split that adds the weight's gradient twice (as torch
+    before the fix did) makes it say no."""
+    from pp_offload.recipe import pipeline
+    from pp_offload.runtime import compat
+
+    probe = pipeline.torch_split_counts_a_reused_weight_once.__wrapped__  # uncached
+    assert isinstance(probe(), bool)
+    real = compat.stage_backward_weight
+
+    def doubled(weights, groups, *args, **kwargs):  # noqa: ANN001, ANN202
+        weights = list(weights)
+        out = real(iter(weights), groups, *args, **kwargs)
+        for weight in weights:
+            weight.grad = weight.grad * 2
+        return out
+
+    monkeypatch.setattr(compat, "stage_backward_weight", doubled)
+    assert probe() is False

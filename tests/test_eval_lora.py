@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ def _config(
         "data": {"path": "embedded", "seq_len": 32, "max_examples": 400, "eval_split": "validation"},
         "pipeline": {"schedule": schedule, "microbatches": 4},
         "train": {"steps": steps, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 1, "eval_batches": 2},
-        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False, "timeline": False},
+        "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0, "export": False, "timeline": False},
     }
     if lora is not None:
         config["lora"] = dict(lora)
@@ -184,12 +185,16 @@ def _check_exports(out: Path) -> None:
     adapters = {k: v for k, v in trained.get_base_model().state_dict().items() if ".lora_" in k}
     load({"model": adapters}, checkpoint_id=str(out / "checkpoints" / "step_00000002"))
     trained.get_base_model().load_state_dict(adapters, strict=False)
-    loaded = PeftModel.from_pretrained(copy.deepcopy(base), out / "export").eval()
+    with warnings.catch_warnings():  # peft's load reads transformers' deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        loaded = PeftModel.from_pretrained(copy.deepcopy(base), out / "export").eval()
     # the base was built from model.config: the export carries it, and the adapter names it
     exported_base = AutoModelForCausalLM.from_pretrained(out / "export" / "base").eval()
     adapter_config = json.loads((out / "export" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str((out / "export" / "base").resolve())
-    rebuilt = PeftModel.from_pretrained(exported_base, out / "export").eval()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        rebuilt = PeftModel.from_pretrained(exported_base, out / "export").eval()
     ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = trained(input_ids=ids).logits

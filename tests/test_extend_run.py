@@ -161,7 +161,8 @@ def test_one_process_extended_run_says_what_it_does(
     import csv
 
     from pp_offload.recipe import ConfigError
-    from pp_offload.recipe.train import ONE_PROCESS_NOTE, run
+    from pp_offload.recipe.single_process import ONE_PROCESS_NOTE
+    from pp_offload.recipe.train import run
 
     def config(steps: int, **data: object) -> RecipeConfig:
         return RecipeConfig.from_dict(
@@ -170,7 +171,12 @@ def test_one_process_extended_run_says_what_it_does(
                 "data": {"path": "embedded", "seq_len": 32, "max_examples": 32, **data},
                 "pipeline": {"microbatches": 2},
                 "train": {"steps": steps, "global_batch_size": 2, "warmup_steps": 1, "device": "cpu"},
-                "output": {"dir": str(tmp_path / "run"), "metrics": ["csv"], "export": False, "log_every": 0},
+                "output": {
+                    "dir": str(tmp_path / "run"),
+                    "report_to": ["csv"],
+                    "export": False,
+                    "log_every": 0,
+                },  # fmt: skip
             }
         )
 

@@ -17,8 +17,7 @@ import pytest
 import yaml
 from _tiny_hf import RECIPE_LLAMA
 
-from pp_offload.recipe import RecipeConfig, signals
-from pp_offload.recipe import launcher as launcher_module
+from pp_offload.recipe import RecipeConfig, signals, train_command
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "troubleshooting.md"
@@ -162,7 +161,7 @@ def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str], o
 
     monkeypatch.setattr(signals, "run_forwarding_signals", no_torchrun)
     parser = argparse.ArgumentParser()
-    launcher_module.add_arguments(parser)
+    train_command.add_arguments(parser)
     argv = [
         "--nproc-per-node",
         "2",
@@ -171,7 +170,7 @@ def _launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str], o
         "--no-progress",
         *(["--check"] if check else []),
     ]
-    return launcher_module.run_from_args(parser.parse_args(argv + [a.format(out=out) for a in extra]))
+    return train_command.run_from_args(parser.parse_args(argv + [a.format(out=out) for a in extra]))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -184,7 +183,7 @@ def test_each_check_is_one_line_and_exit_2_before_any_rank(
         setup(out)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id never reaches the network here
     assert _launch(tmp_path, monkeypatch, extra, out, check=False) == 2
-    # a launch (not --check) checks in a forked child (launcher._check_in_child): its stderr is the fd's
+    # a launch (not --check) checks in a forked child (train_command._check_in_child): its stderr is the fd's
     err = capfd.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("finetune: ") and re.search(line, err), err
@@ -207,7 +206,7 @@ def test_a_config_that_passes_the_checks_starts(
 def test_positions_are_read_under_the_key_the_config_uses() -> None:
     from transformers import GPT2Config, LlamaConfig
 
-    from pp_offload.recipe.run_checks import model_positions
+    from pp_offload.recipe.preflight import model_positions
 
     assert model_positions(GPT2Config(n_positions=64)) == ("n_positions", 64)
     assert model_positions(LlamaConfig(max_position_embeddings=96)) == ("max_position_embeddings", 96)

@@ -24,8 +24,8 @@ import pytest
 import yaml
 from _tiny_hf import RECIPE_LLAMA
 
-from pp_offload.recipe.launcher import _check_nodes, add_arguments, torchrun_command
 from pp_offload.recipe.signals import run_forwarding_signals
+from pp_offload.recipe.train_command import _check_nodes, add_arguments, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -242,7 +242,7 @@ def test_two_nodes_on_loopback_and_sigterm_to_one_launcher(tmp_path: Path) -> No
             "stall_timeout": 60,
             "timeout_s": 60,
         },
-        "output": {"dir": str(out), "metrics": [], "log_every": 1, "export": False, "timeline": False},
+        "output": {"dir": str(out), "report_to": [], "log_every": 1, "export": False, "timeline": False},
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -13,7 +13,7 @@ from pp_offload.__main__ import main as pp_offload_main
 from pp_offload.data import DataConfig, load_examples
 from pp_offload.data.tokenizer import trained_tokenizer
 from pp_offload.recipe.config import ConfigError, load_config
-from pp_offload.recipe.sources import check_model_sources
+from pp_offload.recipe.preflight import check_model_sources
 
 WORDS = (
     "the a model pipeline stage rank learns loss falls data token shard offload memory host device".split()
@@ -93,7 +93,7 @@ def test_a_model_directory_missing_weights_or_tokenizer_names_the_keys_that_prov
     with pytest.raises(ConfigError, match=r"model\.path='\./nowhere': no such directory"):
         check_model_sources(load_config(None, ["model.path=./nowhere"]))
     with pytest.raises(ConfigError, match=r"model\.tokenizer=train trains a new tokenizer"):
-        check_model_sources(load_config(None, [f"model.path={full}", "model.tokenizer=train"]))
+        load_config(None, [f"model.path={full}", "model.tokenizer=train"]).validated()
 
 
 def _config(tmp_path: Path) -> Path:

@@ -600,14 +600,14 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
 def _load_printed_yaml(tmp_path, block):
     """The planner's YAML block through the recipe's own reader and its checks that need no processes."""
     from pp_offload.recipe import load_config
-    from pp_offload.recipe.preflight import preflight
+    from pp_offload.recipe.preflight import check_pipeline
     from pp_offload.recipe.topology import Topology
 
     path = tmp_path / "picked.yaml"
     path.write_text(block + "\n")
     config = load_config(path)
     pp, dp = config.pipeline.pp, config.pipeline.dp
-    preflight(config, Topology(rank=0, world=pp * dp, local_rank=0, pp=pp, dp=dp), num_layers=None)
+    check_pipeline(config, Topology(rank=0, world=pp * dp, local_rank=0, pp=pp, dp=dp), num_layers=None)
     return config
 
 

@@ -284,7 +284,7 @@ def test_the_probe_measures_each_stages_queue_as_the_model_predicts() -> None:
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
 
-    from pp_offload.launch import run_on_ranks
+    from pp_offload.local_ranks import run_on_ranks
     from pp_offload.plan.probe import Measurement
 
     measured = Measurement.from_dict(run_on_ranks(_probe_queue_worker, 2, 2, timeout=180)[0])

@@ -13,7 +13,7 @@ from _tiny_hf import RECIPE_LLAMA
 from _tolerance import assert_trajectory_close
 
 from pp_offload.recipe import ConfigError, RecipeConfig, load_config
-from pp_offload.recipe.preflight import preflight
+from pp_offload.recipe.preflight import check_pipeline
 from pp_offload.recipe.topology import Topology
 
 LLAMA = {**RECIPE_LLAMA, "tie_word_embeddings": True}
@@ -38,7 +38,7 @@ def _config(
         "data": {"path": "embedded", "seq_len": 32, "max_examples": 400},
         "pipeline": {"schedule": schedule, "microbatches": 4},
         "train": {"steps": steps, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2},
-        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0},
+        "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0},
     }
     for key, value in extra.items():
         section, name = key.split("__")
@@ -354,7 +354,9 @@ def test_auto_two_mode_recompute_pick_runs_end_to_end(tmp_path: Path, cache: str
 
 
 def _preflight(config: dict, pp: int = 2, layers: int | None = 4) -> None:
-    preflight(RecipeConfig.from_dict(config), Topology(rank=0, world=pp, local_rank=0, pp=pp, dp=1), layers)
+    """The config checks a rank makes before joining the group, with the model's layer count given."""
+    topo = Topology(rank=0, world=pp, local_rank=0, pp=pp, dp=1)
+    check_pipeline(RecipeConfig.from_dict(config).validated(), topo, layers)
 
 
 @pytest.mark.parametrize(
@@ -423,7 +425,7 @@ def test_config_reader_names_unknown_keys_and_world_mismatch(
     assert (topo.pp, topo.dp) == (2, 4)
     hybrid = RecipeConfig.from_dict(_config(tmp_path, pipeline__dp=2, train__global_batch_size=6))
     with pytest.raises(ConfigError, match="must split into pipeline.dp=2 replicas x pipeline.microbatches=4"):
-        preflight(hybrid, Topology(rank=0, world=4, local_rank=0, pp=2, dp=2), 4)
+        check_pipeline(hybrid, Topology(rank=0, world=4, local_rank=0, pp=2, dp=2), 4)
 
 
 def test_config_dict_reads_back_to_the_same_config(tmp_path: Path) -> None:
@@ -506,7 +508,7 @@ def test_missing_dataset_column_is_named(tmp_path: Path, cache: str) -> None:
 
 def test_unreachable_hub_fails_fast_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pp_offload.hub as hub
-    from pp_offload.recipe.sources import check_model_sources
+    from pp_offload.recipe.preflight import check_model_sources
 
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(name, raising=False)

@@ -46,7 +46,7 @@ def _config(out: Path, model: dict) -> dict:
         "data": {"path": "embedded", "seq_len": 32, "max_examples": 200},
         "pipeline": {"schedule": "ScheduleVHalf", "microbatches": 4},
         "train": {"steps": 2, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 1},
-        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False, "timeline": False},
+        "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0, "export": False, "timeline": False},
     }
 
 

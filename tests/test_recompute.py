@@ -273,13 +273,12 @@ def test_a_share_of_the_layers_wraps_the_earliest_and_unwraps_the_rest() -> None
 
 def test_recipe_refuses_an_unknown_checkpointing_mode() -> None:
     from pp_offload.recipe.config import ConfigError, RecipeConfig
-    from pp_offload.recipe.train import _check
 
-    config = RecipeConfig.from_dict({"train": {"activation_checkpointing": "selective"}})
-    _check(config)
-    config = RecipeConfig.from_dict({"train": {"activation_checkpointing": "sometimes"}})
+    model = {"config": {"model_type": "llama"}}
+    RecipeConfig.from_dict({"model": model, "train": {"activation_checkpointing": "selective"}}).validated()
+    config = RecipeConfig.from_dict({"model": model, "train": {"activation_checkpointing": "sometimes"}})
     with pytest.raises(ConfigError, match="train.activation_checkpointing: .*got 'sometimes'"):
-        _check(config)
+        config.validated()
 
 
 def test_selective_under_fsdp_style_split_input_and_weight_functions() -> None:

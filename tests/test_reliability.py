@@ -34,7 +34,7 @@ def _config(out: Path, **extra: object) -> dict:
         "data": {"path": "embedded", "seq_len": 32, "max_examples": 100},
         "pipeline": {"schedule": "ScheduleVHalf", "microbatches": 4},
         "train": {"steps": STEPS, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "stall_timeout": 60},
-        "output": {"dir": str(out), "metrics": ["csv"], "log_every": 0, "export": False, "timeline": False},
+        "output": {"dir": str(out), "report_to": ["csv"], "log_every": 0, "export": False, "timeline": False},
     }
     for key, value in extra.items():
         section, name = key.split("__")
@@ -57,9 +57,9 @@ def _patch_step(rank: int, step: int, *, before=None, nan: bool = False):  # noq
     return a NaN loss; returns the undo."""
     import torch.distributed as dist
 
-    import pp_offload.recipe.train as train
+    from pp_offload.recipe.pipeline import Pipeline
 
-    real = train._pipeline_step
+    real = Pipeline.forward_backward
     calls = [0]
 
     def wrapped(pipeline, batch):  # noqa: ANN001, ANN202
@@ -70,10 +70,10 @@ def _patch_step(rank: int, step: int, *, before=None, nan: bool = False):  # noq
         loss = real(pipeline, batch)
         return loss * float("nan") if hit and nan else loss
 
-    train._pipeline_step = wrapped
+    Pipeline.forward_backward = wrapped
 
     def undo() -> None:
-        train._pipeline_step = real
+        Pipeline.forward_backward = real
 
     return undo
 

@@ -167,8 +167,8 @@ _TORCH_LOAD = re.compile(r"\btorch\.load\s*\(([^)]*)\)")
 
 def test_no_loader_in_the_package_can_run_code_from_a_file() -> None:
     """Every torch.load passes weights_only=True; no pickle.load, weights_only=False, unsafe YAML or remote
-    code anywhere in pp_offload/. (pickle.loads of launch.py's own pipes between a parent and the ranks it
-    forked reads no file and is allowed.)"""
+    code anywhere in pp_offload/. (pickle.loads of local_ranks.py's own pipes between a parent and the ranks
+    it forked reads no file and is allowed.)"""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()

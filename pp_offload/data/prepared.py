@@ -282,7 +282,7 @@ def _run_in_child(build: Callable[[], None], failed: Path) -> None:
     """Run ``build`` in a forked child; raise a `DataError` with the failure it wrote if it failed.
 
     A bare `os.fork`, not `multiprocessing`: a rank may itself be a daemonic multiprocessing process
-    (`pp_offload.launch.run_on_ranks`), which multiprocessing forbids to have children."""
+    (`pp_offload.local_ranks.run_on_ranks`), which multiprocessing forbids to have children."""
     import sys
     import traceback
 

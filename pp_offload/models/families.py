@@ -41,6 +41,8 @@ class Family:
     :data:`INPUT_OPS` / :data:`LOGIT_OPS`. ``mask_positions`` is false for families whose forward builds
     its attention masks without the position ids (so packed documents are not separated: GPT-OSS, AFMoE).
     ``nope_scaling``: layer kinds without rotary embedding get the model's query scaling (Beam).
+    ``rotary_kinds``: the layer kinds that get the (shared) rotary embedding, where the others get none
+    (LaraMini: its global layers use no positional encoding); None: every kind gets it.
     ``mask_extra`` / ``layer_extra``: keyword arguments the base model adds to its mask builder and to each
     layer call (Falcon: a materialised mask, ``alibi=None``).
     """
@@ -57,6 +59,7 @@ class Family:
     logit_ops: tuple[str, ...] = ()
     mask_positions: bool = True
     nope_scaling: bool = False
+    rotary_kinds: tuple[str, ...] | None = None
     mask_extra: tuple[tuple[str, Any], ...] = ()
     layer_extra: tuple[tuple[str, Any], ...] = ()
 
@@ -176,6 +179,8 @@ _GPT2_LIKE = frozenset({"gpt2", "gpt_bigcode", "gpt_neo"})
 _MASKS_WITHOUT_POSITIONS = frozenset({"afmoe", "gpt_oss"})
 # Families whose NoPE layer kinds take a position-dependent query scaling instead of rotary embeddings.
 _NOPE_SCALING = frozenset({"beam"})
+# Families whose base model passes its one rotary embedding to some layer kinds only (read from the forward).
+_ROTARY_KINDS = {"lara_mini": ("sliding_attention",)}
 
 
 _MASK_CALL = re.compile(r"create_(?:sliding_window_)?(?:causal|bidirectional)_mask\(")
@@ -251,6 +256,7 @@ def _decoder_family(model: Any, config: Any, name: str) -> Family:
         mask_positions=getattr(config, "model_type", "") not in _MASKS_WITHOUT_POSITIONS
         or bool(_mask_reads_positions(getattr(model, base, None))),
         nope_scaling=getattr(config, "model_type", "") in _NOPE_SCALING,
+        rotary_kinds=_ROTARY_KINDS.get(getattr(config, "model_type", "")),
     )
 
 

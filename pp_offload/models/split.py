@@ -215,7 +215,11 @@ class CausalLMStage(nn.Module):
             rotary = {kind: self._rotary(base, hidden, position_ids, kind) for kind in set(kinds.values())}
         else:
             shared = base.rotary_emb(hidden, position_ids)
-            rotary = {kind: {"position_embeddings": shared} for kind in kinds.values()}
+            given = self._family.rotary_kinds
+            rotary = {
+                kind: {"position_embeddings": shared if given is None or kind in given else None}
+                for kind in kinds.values()
+            }
         for index, layer in getattr(base, self._family.layers).indexed():
             extra = {**(rotary[kinds[index]] if rotary else {}), **dict(self._family.layer_extra)}
             out = layer(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from pp_offload.data import DataConfig, DataError
 from pp_offload.recipe.config_types import ConfigTypeError, check_section
 
 __all__ = [
+    "TRAIN_TOKENIZER",
     "ConfigError",
     "LoraConfig",
     "ModelConfig",
@@ -31,6 +33,10 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A bad recipe configuration; the message names the key, the bad value and the fix."""
+
+
+#: ``model.tokenizer``'s value that trains a byte-level BPE on the training data.
+TRAIN_TOKENIZER = "train"
 
 
 @dataclass
@@ -111,7 +117,10 @@ class PipelineConfig:
             memory is tight. It costs a third run of each checkpointed layer (in W), and is eager only:
             with ``train.compile`` it is refused. Schedules without split backward (Interleaved1F1B,
             LoopedBFS, 1F1B, GPipe) run one backward either way: the key changes nothing there. The
-            planner's figures (the budget offload plan, ``schedule: auto``) follow it.
+            planner's figures (the budget offload plan, ``schedule: auto``) follow it. Where the installed
+            torch's split adds the gradient of a weight used twice in one stage twice (pytorch #180952,
+            fixed in torch 2.14; asked of torch, not read from its version), ``false`` is refused for a
+            stage holding one weight under two names.
     """
 
     schedule: str = "ScheduleVHalf"
@@ -131,7 +140,9 @@ class PipelineConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation: AdamW, linear warm-up then cosine (or constant) decay, clipping by the global norm.
+    """Optimisation: AdamW with transformers Trainer's weight-decay groups, linear warm-up then cosine (or
+    linear, or constant) decay, clipping by the global norm. Where a default differs from Trainer's, the
+    table below the keys says so and why.
 
     Attributes:
         steps: Optimizer steps of the whole run (a resumed run continues up to this count).
@@ -139,16 +150,31 @@ class TrainConfig:
         lr: Peak learning rate, reached after ``warmup_steps``. The default, 3e-3, suits the small models
             built from ``model.config`` that the examples train from scratch; a pretrained model is
             fine-tuned with far less (1e-5 to 5e-5 is usual: the README's Llama example uses 2e-5).
-        min_lr_ratio: The cosine schedule decays to ``lr * min_lr_ratio``.
-        warmup_steps: Steps of linear warm-up from 0 to ``lr``.
-        lr_schedule: ``cosine`` or ``constant`` after the warm-up. A ``warmup_steps`` of ``steps`` or more
-            never reaches ``lr``: the run warns.
+        min_lr_ratio: The cosine (or linear) schedule decays to ``lr * min_lr_ratio``; 0 decays to 0, as
+            Trainer's schedules do.
+        warmup_steps: Steps of linear warm-up to ``lr``: step k (counted from 1) runs at ``lr * k /
+            warmup_steps``, so the first step already learns and step ``warmup_steps`` runs at ``lr``
+            (Trainer's first step runs at 0: the table below the keys).
+        warmup_ratio: Instead of ``warmup_steps``: the warm-up as a share of ``steps``, ``ceil(warmup_ratio
+            * steps)`` steps (Trainer's ``warmup_ratio``); null: ``warmup_steps`` applies.
+        lr_schedule: ``cosine``, ``linear`` (Trainer's default) or ``constant`` after the warm-up. A
+            warm-up of ``steps`` or more never reaches ``lr``: the run warns.
         extend_lr: What a resume with another ``steps`` than its checkpoint's does to the schedule:
             ``continue`` (the rate goes on from where the run is and decays to the floor at the new
             ``steps``: no jump) or ``recompute`` (the new total's schedule, as if planned from the start:
             a finished run's rate rises again). docs/reliability.md#extending-a-run.
-        weight_decay: AdamW's weight decay.
+        weight_decay: AdamW's weight decay, on the parameters Trainer decays: every weight but the norms' and
+            the biases (``weight_decay_exclude``). The run's log says how many are decayed.
+        weight_decay_exclude: Which parameters weight decay leaves out: null, Trainer's rule (norm
+            layers' weights and every bias: `transformers.Trainer.get_decay_parameter_names`); ``[]``,
+            none (every parameter decays); or a list of regular expressions searched in each lowercased
+            Hugging Face parameter name (``[bias, norm]``, ``[embed_tokens]``).
+        optimizer: ``adamw`` (torch's AdamW, its default implementation: foreach on CUDA, one parameter at
+            a time on the CPU), ``adamw_foreach`` or ``adamw_fused`` (torch's fused kernel; a device torch
+            has none for is refused before the run); Trainer's names ``adamw_torch`` and
+            ``adamw_torch_fused`` are the same as ``adamw`` and ``adamw_fused``.
         betas: AdamW's betas.
+        adam_eps: AdamW's epsilon (Trainer's ``adam_epsilon``).
         max_grad_norm: Clip gradients to this norm, computed over all pipeline and data-parallel ranks
             (each gradient counted once); ``null``: no clipping.
         precision: ``fp32`` or ``bf16`` (autocast; FSDP's bf16 policy when ``dp > 1``; master weights
@@ -191,10 +217,14 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 5
+    warmup_ratio: float | None = None
     lr_schedule: str = "cosine"
     extend_lr: str = "continue"
     weight_decay: float = 0.01
+    weight_decay_exclude: list[str] | None = None
+    optimizer: str = "adamw"
     betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
     precision: str = "fp32"
     activation_checkpointing: bool | str = False
@@ -225,7 +255,14 @@ class OutputConfig:
         export: Write a Hugging Face model (safetensors shards, config, tokenizer) to ``dir/export`` at the
             end.
         log_every: Steps between log lines.
-        metrics: Metric writers: ``csv`` and/or ``tensorboard`` (if installed).
+        report_to: Where rank 0 reports each step's loss, gradient norm, learning rate, tokens/s and device
+            peak (and each evaluation), as Trainer's ``report_to``: ``csv`` (``metrics.csv``,
+            ``eval.csv``), ``tensorboard`` (``dir/tensorboard``), ``wandb`` (project ``$WANDB_PROJECT``,
+            else pp-offload; ``WANDB_MODE=offline`` works without an account), ``mlflow`` (the tracking
+            URI and experiment of ``$MLFLOW_TRACKING_URI`` / ``$MLFLOW_EXPERIMENT_NAME``), ``trackio``
+            (project ``$TRACKIO_PROJECT``, else pp-offload); each but csv needs its package (``pip install
+            'pp-offload[wandb]'``, ``[mlflow]``, ``[trackio]``, ``[tensorboard]``), checked before the run.
+            Was ``output.metrics``.
         timeline: Record the second step: ``timeline.png`` (predicted vs realized) and ``trace.json``.
     """
 
@@ -236,7 +273,7 @@ class OutputConfig:
     overwrite: bool = False
     export: bool = True
     log_every: int = 1
-    metrics: list[str] = field(default_factory=lambda: ["csv"])
+    report_to: list[str] = field(default_factory=lambda: ["csv"])
     timeline: bool = True
 
 
@@ -292,9 +329,17 @@ class RecipeConfig:
         return data
 
     def validated(self) -> RecipeConfig:
-        """This config read back through `from_dict`: every value checked against its key's type and
-        range, as a config read from YAML is (for a config built or changed in Python)."""
-        return _build(self.to_dict(), "defaults")
+        """This config read back through `from_dict` (every value checked against its key's type and
+        range, as a config read from YAML is, for a config built or changed in Python), then checked as a
+        whole: the keys that must go together (`_check_combinations`).
+
+        Why two steps: `from_dict` and `load_config` accept a partial config (no model yet, an override
+        still to come); a run needs a whole one. `validated` and `pp_offload.recipe.preflight.preflight`
+        (what needs the machine, the model's config or the schedule catalog) are every check a config
+        gets: the ranks and the launcher call both, first."""
+        config = _build(self.to_dict(), "defaults")
+        _check_combinations(config)
+        return config
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "config") -> RecipeConfig:
@@ -303,6 +348,17 @@ class RecipeConfig:
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(RecipeConfig)}
+
+
+#: Keys that were renamed: a config that still uses the old name is told the new one.
+_RENAMED = {"output.metrics": "output.report_to"}
+
+
+def _unknown_key(section: str, key: str, names: list[str]) -> str:
+    new = _RENAMED.get(f"{section}.{key}")
+    if new is not None:
+        return f"unknown key {section}.{key}: it is now {new}"
+    return f"unknown key {section}.{key}{_closest(key, names)}"
 
 
 def _closest(name: str, options: list[str]) -> str:
@@ -338,7 +394,7 @@ def _build(data: dict[str, Any], where: str) -> RecipeConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in values:
             if key not in names:
-                raise ConfigError(f"{where}: unknown key {section}.{key}{_closest(key, names)}")
+                raise ConfigError(f"{where}: {_unknown_key(section, key, names)}")
         try:
             values = check_section(cls, section, values)
         except ConfigTypeError as error:
@@ -351,6 +407,75 @@ def _build(data: dict[str, Any], where: str) -> RecipeConfig:
     if isinstance(config.train.betas, list):
         config.train.betas = tuple(config.train.betas)
     return config
+
+
+def _check_combinations(config: RecipeConfig) -> None:
+    """Keys that need each other or exclude each other, decided from the config alone."""
+    model, train = config.model, config.train
+    if (model.path is None) == (model.config is None):
+        raise ConfigError("set exactly one of model.path (hub id or local dir) and model.config (a dict)")
+    if model.tokenizer == TRAIN_TOKENIZER and model.path is not None:
+        raise ConfigError(
+            f"model.tokenizer=train trains a new tokenizer, whose token ids the pretrained model.path="
+            f"{model.path!r} has never seen: use its own tokenizer (leave model.tokenizer unset), or build a "
+            "new model from model.config"
+        )
+    if model.tokenizer == TRAIN_TOKENIZER and config.data.streaming:
+        raise ConfigError(
+            "model.tokenizer=train reads all the data to train a tokenizer, data.streaming never does: "
+            "train one once (pp_offload.data.tokenizer.train_tokenizer on a sample, then "
+            "save_pretrained) and set model.tokenizer to its directory, or prepare the data "
+            "(data.streaming: false)"
+        )
+    _check_recompute_and_compile(train)
+    for pattern in train.weight_decay_exclude or []:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ConfigError(
+                f"train.weight_decay_exclude: {pattern!r} is not a regular expression ({error}); give "
+                "patterns searched in the lowercased parameter names, e.g. [bias, norm]"
+            ) from None
+    if (train.eval_every or train.eval_batches is not None) and not config.data.has_eval:
+        raise ConfigError(
+            "train.eval_every / train.eval_batches need held-out data: set data.eval_split (the embedded "
+            "corpus has 'validation') or data.eval_path"
+        )
+    _check_auto_keys(config.pipeline)
+
+
+def _check_recompute_and_compile(train: TrainConfig) -> None:
+    """``train.activation_checkpointing`` must parse, and ``train.compile`` must be a compile setting whose
+    recompute plan compiles (the rules are the runtime's: `pp_offload.runtime.compile`)."""
+    from pp_offload.parallel import checkpointing_mode
+    from pp_offload.runtime.compile import CompileOptions, check_recompute_compiles
+
+    try:
+        recompute = checkpointing_mode(train.activation_checkpointing)
+    except ValueError as error:
+        raise ConfigError(f"train.activation_checkpointing: {error}") from None
+    try:
+        if CompileOptions.coerce(train.compile) is not None:
+            check_recompute_compiles(recompute)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def _check_auto_keys(spec: PipelineConfig) -> None:
+    """``schedule: auto`` chooses schedule, offload and costs itself; it takes only the memory limits and,
+    as ``offload``, a list of the offload policies it may choose from (each checked by the planner, in
+    `pp_offload.recipe.preflight`)."""
+    if str(spec.schedule).lower() != "auto":
+        return
+    given = [k for k in ("costs", "layers_per_stage", "stages_per_rank") if getattr(spec, k) is not None]
+    if spec.offload not in (None, "none") and not isinstance(spec.offload, list):
+        given.insert(0, "offload")
+    if given:
+        raise ConfigError(
+            f"pipeline.{given[0]} cannot be set with pipeline.schedule=auto (auto chooses the schedule, the "
+            "offload policy and the costs from a probe step); remove it, or name a schedule instead of auto"
+            + (" (a list of offload policies auto may choose from is fine)" if given[0] == "offload" else "")
+        )
 
 
 def _prefix(where: str) -> str:
@@ -434,7 +559,7 @@ def _apply_override(data: dict[str, Any], item: str, where: str) -> None:
         )
     fields = {f.name: f for f in dataclasses.fields(_section_class(section))}
     if name not in fields:
-        raise ConfigError(f"override {item!r}: unknown key {section}.{name}{_closest(name, list(fields))}")
+        raise ConfigError(f"override {item!r}: {_unknown_key(section, name, list(fields))}")
     if data.get(section) is None:
         data[section] = {}
     if not isinstance(data[section], dict):

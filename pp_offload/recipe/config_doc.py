@@ -14,12 +14,23 @@ import inspect
 import re
 import sys
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pp_offload.recipe.config import RecipeConfig
+from pp_offload.recipe.config import RecipeConfig, TrainConfig
+from pp_offload.recipe.lr import lr_at
 
-__all__ = ["DOC_PATH", "REGENERATE", "attribute_docs", "missing_docs", "render", "sections"]
+__all__ = [
+    "DOC_PATH",
+    "REGENERATE",
+    "TRAINER_DEFAULTS",
+    "TrainerDefault",
+    "attribute_docs",
+    "missing_docs",
+    "render",
+    "sections",
+]
 
 #: Where the generated page lives, relative to the repository root.
 DOC_PATH = Path("docs") / "config.md"
@@ -41,6 +52,78 @@ See [recipe.md](recipe.md) for what the recipe does with them.
 """
 
 _ENTRY = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*): ?(?P<text>.*)$")
+
+
+@dataclass(frozen=True)
+class TrainerDefault:
+    """A recipe key whose default is not ``transformers.TrainingArguments``' (``arguments``: Trainer's
+    fields, whose defaults are ``trainer``; tests/test_config_doc.py checks them against the installed
+    transformers), and why."""
+
+    key: str
+    arguments: tuple[str, ...]
+    trainer: tuple[Any, ...]
+    why: str
+
+
+#: Where the recipe's defaults are not Trainer's. The same as Trainer's: ``train.adam_eps`` (1e-8),
+#: ``train.max_grad_norm`` (1.0), the loss's normalization (the accumulated batch's target tokens, Trainer's
+#: ``num_items_in_batch``) and the weight-decay groups.
+TRAINER_DEFAULTS = (
+    TrainerDefault(
+        "train.lr",
+        ("learning_rate",),
+        (5e-05,),
+        "the examples train small models from scratch; fine-tune a pretrained model with 1e-5 to 5e-5",
+    ),
+    TrainerDefault(
+        "train.betas",
+        ("adam_beta1", "adam_beta2"),
+        (0.9, 0.999),
+        "beta2 0.95 is the usual setting for language models (Llama, OLMo): the second moment forgets a "
+        "spike sooner, so one large gradient damps fewer of the steps after it",
+    ),
+    TrainerDefault(
+        "train.weight_decay",
+        ("weight_decay",),
+        (0.0,),
+        "a little decay of the weights (never of the norms and biases: the same groups as Trainer) is the "
+        "usual setting for language models",
+    ),
+    TrainerDefault(
+        "train.lr_schedule",
+        ("lr_scheduler_type",),
+        ("linear",),
+        "cosine to a floor (`train.min_lr_ratio`, where Trainer's linear ends at 0) is the usual schedule "
+        "for language models; `linear` with `min_lr_ratio: 0` is Trainer's",
+    ),
+    TrainerDefault(
+        "train.warmup_steps",
+        ("warmup_steps",),
+        (0,),
+        "a short warm-up keeps AdamW's first updates, made from a second moment of one or two gradients, "
+        "small; the convention differs too (below)",
+    ),
+    TrainerDefault(
+        "train.optimizer",
+        ("optim",),
+        ("adamw_torch_fused",),
+        "torch's default AdamW runs on every device and torch version the recipe supports; "
+        "`adamw_fused` is Trainer's",
+    ),
+    TrainerDefault(
+        "train.seed",
+        ("seed",),
+        (42,),
+        "the seed of every run so far (initialisation and batch order): another default would change all",
+    ),
+    TrainerDefault(
+        "output.report_to",
+        ("report_to",),
+        ("none",),
+        "`metrics.csv` needs no package and no account; add `tensorboard`, `wandb`, `mlflow` or `trackio`",
+    ),
+)
 
 
 def _split_doc(cls: type) -> tuple[str, list[str]]:
@@ -176,8 +259,62 @@ def render() -> str:
                 f"| `{section}.{f.name}` | `{default}` | `{kind}` | {_markdown(docs.get(f.name, ''))} |"
             )
         parts.append("")
+    parts += _trainer_section()
     parts += _forms_section()
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _trainer_section() -> list[str]:
+    """The defaults that are not Trainer's, and the first steps' learning rate under both warm-up
+    conventions (ours from `pp_offload.recipe.lr.lr_at`, Trainer's from transformers' own scheduler)."""
+    defaults = {f"{name}.{f.name}": _default(f) for name, cls in sections() for f in dataclasses.fields(cls)}
+    parts = [
+        "## Coming from transformers' Trainer\n",
+        "The loss is normalized as Trainer's (the sum over the accumulated batch's target tokens divided by\n"
+        "their count, Trainer's `num_items_in_batch`), weight decay skips the parameters Trainer's default\n"
+        "groups skip, and `train.adam_eps` and `train.max_grad_norm` default to Trainer's values. With the\n"
+        "same rows, initial weights and settings (`train.lr_schedule: linear`, `train.min_lr_ratio: 0`,\n"
+        "`train.warmup_steps: 0`, `train.betas: [0.9, 0.999]`, `train.optimizer: adamw_fused`) a run\n"
+        "reproduces `transformers.Trainer`'s losses and weights, in one process and pipelined\n"
+        "(`tests/test_trainer_parity.py`). These defaults differ:\n",
+        "| key | default | Trainer's argument | Trainer's default | why |",
+        "|---|---|---|---|---|",
+    ]
+    for entry in TRAINER_DEFAULTS:
+        ours = _yaml(defaults[entry.key])
+        theirs = ", ".join(_yaml(v) for v in entry.trainer)
+        arguments = ", ".join(f"`{a}`" for a in entry.arguments)
+        parts.append(f"| `{entry.key}` | `{ours}` | {arguments} | `{theirs}` | {_markdown(entry.why)} |")
+    parts += ["", *_warmup_table(), ""]
+    return parts
+
+
+def _warmup_table(lr: float = 1e-3, warmup: int = 4, steps: int = 6) -> list[str]:
+    """The learning rate of the first ``steps`` steps with ``warmup`` steps of warm-up to ``lr`` (a
+    constant rate after it), under the recipe's convention and Trainer's."""
+    import torch
+    from transformers import get_scheduler
+
+    config = RecipeConfig(train=TrainConfig(lr=lr, warmup_steps=warmup, steps=100, lr_schedule="constant"))
+    ours = [lr_at(config, k) for k in range(steps)]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    scheduler = get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+    theirs = []
+    for _ in range(steps):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return [
+        "The warm-up: step k (counted from 1) runs at `lr * k / warmup_steps`, so the first step learns and\n"
+        "step `warmup_steps` runs at `lr`; Trainer's runs at `lr * (k - 1) / warmup_steps`, its first step\n"
+        "at 0, and reaches `lr` one step later. The recipe keeps its convention: a step at rate 0 spends a\n"
+        "batch and moves no weight, and every checkpoint written so far continues on this curve. With\n"
+        f"`train.lr: {lr:g}`, `train.warmup_steps: {warmup}` (and a constant rate after it):\n",
+        "| step | " + " | ".join(str(k + 1) for k in range(steps)) + " |",
+        "|" + "---|" * (steps + 1),
+        "| recipe | " + " | ".join(f"{v:.3g}" for v in ours) + " |",
+        "| Trainer | " + " | ".join(f"{v:.3g}" for v in theirs) + " |",
+    ]
 
 
 def _forms_section() -> list[str]:

@@ -83,8 +83,10 @@ RANGES: dict[str, Range] = {
     "train.lr": _NON_NEGATIVE,
     "train.min_lr_ratio": _FRACTION,
     "train.warmup_steps": _NON_NEGATIVE,
+    "train.warmup_ratio": Range(0, 1, high_open=True),
     "train.weight_decay": _NON_NEGATIVE,
     "train.betas": Range(0, 1, high_open=True),
+    "train.adam_eps": _ABOVE_ZERO,
     "train.max_grad_norm": _ABOVE_ZERO,
     "train.seed": _NON_NEGATIVE,
     "train.timeout_s": _ABOVE_ZERO,
@@ -102,11 +104,12 @@ RANGES: dict[str, Range] = {
 
 #: Allowed strings by ``section.key`` (for a list: each of its strings).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "train.lr_schedule": ("cosine", "constant"),
+    "train.lr_schedule": ("cosine", "linear", "constant"),
+    "train.optimizer": ("adamw", "adamw_foreach", "adamw_fused", "adamw_torch", "adamw_torch_fused"),
     "train.extend_lr": ("continue", "recompute"),
     "train.precision": ("fp32", "bf16"),
     "train.device": ("auto", "cpu", "cuda"),
-    "output.metrics": ("csv", "tensorboard"),
+    "output.report_to": ("csv", "tensorboard", "wandb", "mlflow", "trackio"),
 }
 
 #: A few words more for keys whose type alone does not say enough (or whose usual mistake is a YAML habit).

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pp_offload.recipe.config import ConfigError, RecipeConfig
-from pp_offload.recipe.topology import Topology, device_for
+from pp_offload.recipe.topology import Topology, device_for, machine_preset
 
 __all__ = ["DryBuild", "RankBuild", "dry_build"]
 
@@ -271,7 +271,6 @@ def _planner_pick(
     from pp_offload.plan.auto import AutoError
     from pp_offload.plan.probe import predicted_measurement
     from pp_offload.recipe.auto import choose_within, chosen_config, recompute_candidates
-    from pp_offload.recipe.topology import machine_preset
 
     spec = config.pipeline
     device = device_for(config, topo)

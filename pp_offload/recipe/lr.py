@@ -1,7 +1,14 @@
 """The learning-rate schedule, and what happens to it when a run is resumed with another ``train.steps``.
 
-The schedule is linear warm-up to ``train.lr``, then cosine (or constant) down to ``lr * min_lr_ratio`` at
-``train.steps``: a pure function of the step, so a resumed run uses the rates an uninterrupted one would.
+The schedule is linear warm-up to ``train.lr``, then cosine (or linear, or constant) down to ``lr *
+min_lr_ratio`` at ``train.steps``: a pure function of the step, so a resumed run uses the rates an
+uninterrupted one would.
+
+Why the warm-up reaches ``lr`` at step ``warmup_steps`` (step k, counted from 1, at ``lr * k / W``) and
+not one step later as transformers' Trainer does (its step k at ``lr * (k - 1) / W``: the first step at
+0): a step at rate 0 spends a batch and moves no weight, and ``warmup_steps: W`` then means W steps to
+the peak. The two agree from step W + 1 on. Kept also because every checkpoint written so far continues
+on this curve (docs/config.md shows the first steps under both).
 
 Why a rule for extensions: a finished 8-step run sits at the floor of its cosine; relaunched with
 ``train.steps: 16``, the 16-step cosine puts step 9 near the peak again (measured before this rule: 4.8e-4
@@ -9,7 +16,8 @@ to 1.95e-3 at the first new step; in a longer run a 7.7x jump that sent the loss
 by default (``train.extend_lr: continue``), a resume whose ``train.steps`` differs from the checkpoint's
 *continues from the learning rate the run is at*: from the resumed step on, the cosine decays from that
 rate to the same floor at the new ``train.steps`` (a constant schedule stays constant). A run resumed
-during its warm-up keeps the warm-up, which does not depend on ``train.steps``. ``train.extend_lr:
+during its warm-up keeps the warm-up (``train.warmup_steps`` does not depend on ``train.steps``; a
+``train.warmup_ratio`` warm-up is that share of the new ``train.steps``). ``train.extend_lr:
 recompute`` takes the new total's schedule as if the run had been planned that long from the start.
 
 The point where the rule took over (`LrRestart`: step and rate) is written into every later checkpoint's
@@ -24,7 +32,7 @@ from typing import Any
 
 from pp_offload.recipe.config import RecipeConfig
 
-__all__ = ["LrRestart", "extension", "lr_at", "warmup_warning"]
+__all__ = ["LrRestart", "extension", "lr_at", "warmup_steps_of", "warmup_warning"]
 
 
 @dataclass(frozen=True)
@@ -48,13 +56,23 @@ class LrRestart:
         return None
 
 
-def lr_at(config: RecipeConfig, step: int, restart: LrRestart | None = None) -> float:
-    """The learning rate of 0-based ``step``: linear warm-up to ``train.lr``, then cosine (or constant) down
-    to ``lr * min_lr_ratio`` at ``train.steps``; from ``restart.step`` on, the cosine starts at
-    ``restart.lr`` instead."""
+def warmup_steps_of(config: RecipeConfig) -> int:
+    """The warm-up's length in steps: ``ceil(warmup_ratio * steps)`` when ``train.warmup_ratio`` is set,
+    else ``train.warmup_steps``."""
     train = config.train
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
+    if train.warmup_ratio is not None:
+        return math.ceil(train.warmup_ratio * train.steps)
+    return train.warmup_steps
+
+
+def lr_at(config: RecipeConfig, step: int, restart: LrRestart | None = None) -> float:
+    """The learning rate of 0-based ``step``: linear warm-up to ``train.lr``, then cosine (or linear, or
+    constant) down to ``lr * min_lr_ratio`` at ``train.steps``; from ``restart.step`` on, the decay starts
+    at ``restart.lr`` instead."""
+    train = config.train
+    warmup = warmup_steps_of(config)
+    if step < warmup:
+        return train.lr * (step + 1) / warmup
     if train.lr_schedule == "constant":
         return train.lr
     floor = train.lr * train.min_lr_ratio
@@ -63,9 +81,11 @@ def lr_at(config: RecipeConfig, step: int, restart: LrRestart | None = None) -> 
         progress = min((step - restart.step) / span, 1.0)
         top = restart.lr
     else:
-        span = max(train.steps - train.warmup_steps, 1)
-        progress = min((step - train.warmup_steps) / span, 1.0)
+        span = max(train.steps - warmup, 1)
+        progress = min((step - warmup) / span, 1.0)
         top = train.lr
+    if train.lr_schedule == "linear":
+        return floor + (top - floor) * (1.0 - progress)
     return floor + (top - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -87,7 +107,7 @@ def extension(
             f"{change}: the learning-rate schedule is recomputed for {config.train.steps} steps "
             f"(train.extend_lr=recompute; lr at step {step + 1}: {before:.3e} -> {after:.3e})"
         )
-    if step < config.train.warmup_steps or config.train.lr_schedule == "constant":
+    if step < warmup_steps_of(config) or config.train.lr_schedule == "constant":
         return None, f"{change}: the learning rate goes on as planned (lr at step {step + 1}: {before:.3e})"
     restart = LrRestart(step, before)
     floor = config.train.lr * config.train.min_lr_ratio
@@ -110,14 +130,15 @@ def warmup_warning(config: RecipeConfig) -> str | None:
     """The line a run prints when its warm-up is as long as the run or longer: the rate never reaches
     ``train.lr`` (allowed: a deliberately short trial run, but rarely what was meant)."""
     train = config.train
-    if train.warmup_steps < train.steps:
+    warmup = warmup_steps_of(config)
+    if warmup < train.steps:
         return None
     top = lr_at(config, train.steps - 1)
-    if train.warmup_steps == train.steps:
+    if warmup == train.steps:
         what = f"reaches train.lr={train.lr:g} only at the last step, with no decay after it"
     else:
         what = f"never reaches train.lr={train.lr:g} (it ends at {top:.3e})"
     return (
-        f"finetune: warning: train.warmup_steps={train.warmup_steps} >= train.steps={train.steps}: the "
+        f"finetune: warning: train.warmup_steps={warmup} >= train.steps={train.steps}: the "
         f"learning rate {what}; lower train.warmup_steps or raise train.steps"
     )

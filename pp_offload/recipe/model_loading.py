@@ -30,9 +30,6 @@ def load_model(config: RecipeConfig, tokenizer: Any, *, partial: bool = False) -
     adapters are initialised by name (`pp_offload.models.lora.init_adapters`), so a rank that loads by part
     gets the same adapters as the unsplit model.
     """
-    spec = config.model
-    if (spec.path is None) == (spec.config is None):
-        raise ConfigError("set exactly one of model.path (hub id or local dir) and model.config (a dict)")
     model = _load_model(config, tokenizer, partial=partial)
     return _with_lora(config, model) if config.lora is not None else model
 

@@ -17,6 +17,7 @@ from torch import nn
 from pp_offload.order.offload import resolve_offload
 from pp_offload.order.offload_inputs import OffloadInputs
 from pp_offload.recipe.config import RecipeConfig
+from pp_offload.recipe.topology import machine_preset
 
 __all__ = ["planner_offload_inputs"]
 
@@ -44,7 +45,6 @@ def planner_offload_inputs(
         from pp_offload.models.lora import unwrap_peft
         from pp_offload.parallel import checkpointing_mode
         from pp_offload.plan import offload_inputs
-        from pp_offload.recipe.topology import machine_preset
 
         machine = machine_preset(device)
         per_microbatch = config.train.global_batch_size // (spec.microbatches * dp)  # preflight: exact

@@ -1,10 +1,14 @@
 """This rank's share of the pipelined model: split, FSDP2 sharding, recompute wrappers, offload, stages and
-the schedule, built in the one order every rank follows.
+the schedule, built in the one order every rank follows; and how the training loop runs it (`Pipeline` is
+the recipe's `pp_offload.recipe.runner.Runner` for more than one process).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,18 +17,32 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pp_offload.models import ModelSplit, TokenCrossEntropy, split_model
-from pp_offload.parallel import ShardedStages
-from pp_offload.recipe.config import RecipeConfig
+from pp_offload.models.evaluate import EvalResult, evaluate_pipeline
+from pp_offload.parallel import ShardedStages, clip_grad_norm_, grad_norm
+from pp_offload.recipe.config import ConfigError, RecipeConfig
+from pp_offload.recipe.offload_figures import planner_offload_inputs
+from pp_offload.recipe.runner import Runner
+from pp_offload.recipe.timeline import StepTimeline
 from pp_offload.recipe.topology import Topology
+from pp_offload.runtime import compat
 from pp_offload.runtime.catalog import ScheduleInfo, build_schedule, schedule_info, stage_indices
 from pp_offload.runtime.compile import CompileOptions, CompileWatch, compile_layers
 from pp_offload.runtime.dropout_keys import DropoutKeys, key_pipeline_dropout, unkeyed_dropout
+from pp_offload.runtime.progress import StepProgress, track_actions, waiting_peer
 
-__all__ = ["Pipeline", "apply_recompute", "build_pipeline", "rank_schedule", "split_for_rank"]
+__all__ = [
+    "Pipeline",
+    "apply_recompute",
+    "build_pipeline",
+    "rank_schedule",
+    "refuse_reused_weights",
+    "split_for_rank",
+    "torch_split_counts_a_reused_weight_once",
+]
 
 
 @dataclass
-class Pipeline:
+class Pipeline(Runner):
     """This rank's share of the pipelined model: stages, schedule, loss and the tied-weight fix-up.
 
     ``mesh``: the job's ``("dp", "pp")`` mesh (``pp`` inner); ``sharded``: the FSDP2 roots when
@@ -44,6 +62,10 @@ class Pipeline:
     compile_watch: CompileWatch | None = None  # train.compile: reports compile time after the second step
 
     @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
     def module(self) -> nn.Module:
         return self.split.module
 
@@ -51,9 +73,70 @@ class Pipeline:
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh["pp"].get_group()
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.pp_group
+
     def skip_in_norm(self) -> set[int]:
         """Ids of parameters not counted in the global gradient norm (the second copy of a tied weight)."""
         return self.tied.skip_in_norm() if self.tied is not None else set()
+
+    def begin_step(self, step: int) -> None:
+        if self.dropout is not None:
+            self.dropout.step = step
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One schedule step: the loss is told the global target count first, the last stage's logits are
+        not kept (only the losses are needed), and the masks are decided on the CPU from the batch's
+        ``packed_rows`` (no device read)."""
+        self.loss_fn.num_target_tokens = int(batch["num_target_tokens"])
+        losses: list[torch.Tensor] = []
+        kwargs = compat.no_output_kwargs(self.schedule)
+        args = (batch["input_ids"],) if self.has_first else ()
+        target = batch["labels"] if self.has_last else None
+        self.schedule.step(
+            *args,
+            target=target,
+            losses=losses,
+            position_ids=batch["position_ids"],
+            packed_rows=batch["packed_rows"],
+            **kwargs,
+        )
+        if not losses:
+            return torch.zeros((), dtype=torch.float64)
+        return torch.stack([loss.detach().double() for loss in losses]).sum()
+
+    def finish_backward(self, where: StepProgress, say: Callable[[str], None]) -> None:
+        """Report the compile time once (after the second step); sum a tied weight's two copies' gradients
+        where the embedding and the head sit on different ranks."""
+        if self.compile_watch is not None:
+            self.compile_watch.after_step(say)
+        if self.tied is not None:
+            where.enter("the tied weight's gradient all-reduce")
+            self.tied.sync_grads()
+
+    def grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        skip = self.skip_in_norm()
+        if max_norm is None:
+            return grad_norm(self.module.parameters(), self.mesh, skip=skip)
+        return clip_grad_norm_(self.module.parameters(), max_norm, self.mesh, skip=skip)
+
+    def evaluate(self, batches: list[dict[str, torch.Tensor]], microbatches: int) -> EvalResult:
+        return evaluate_pipeline(self.schedule, batches, microbatches=microbatches)
+
+    def track(self, where: StepProgress) -> Callable[[], None]:
+        return track_actions(self.schedule, where)
+
+    def waiting_peer(self, where: StepProgress) -> int | None:
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        return waiting_peer(self.schedule, where.action, lambda r: ranks[r])
+
+    def timeline(self, out: Path, rank: int) -> Any:
+        if not StepTimeline.supported(self.schedule):
+            return None
+        return StepTimeline(
+            self.schedule, out, rank=rank, title=f"{self.name}, this run", group=self.pp_group
+        )
 
 
 class _TiedAcrossRanks:
@@ -198,13 +281,56 @@ def split_for_rank(
     asks (``pipeline.layers_per_stage``; ``model.verify_split`` unless ``verify`` is off)."""
     spec = config.pipeline
     per_rank = info.stages_per_rank(spec.stages_per_rank)
-    return split_model(
+    split = split_model(
         model,
         num_stages=pp * per_rank,
         stage_indices=stage_indices(pp_rank, pp, info.placement, per_rank),
         layers_per_stage=spec.layers_per_stage,
         verify=verify and config.model.verify_split,
     )
+    refuse_reused_weights(info, split.stages, deferred_w=spec.deferred_w)
+    return split
+
+
+def refuse_reused_weights(info: ScheduleInfo, stages: dict[int, nn.Module], *, deferred_w: bool) -> None:
+    """Refuse torch's retained-graph split (``pipeline.deferred_w: false`` on a split-backward schedule) for
+    a stage that holds one parameter under two names (a weight tied within the stage, a block shared by
+    two of its layers: used twice on the stage's one path) where torch's split counts such a weight's
+    gradient twice (pytorch #180952, fixed in torch 2.14; asked of torch itself). A weight used twice
+    through one module called twice is not seen here: the split's proof (``model.verify_split``) runs
+    unsplit against chained stages, not torch's split."""
+    if deferred_w or not info.split_backward:
+        return
+    for index, module in sorted(stages.items()):
+        names: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        shared = [found for found in names.values() if len(found) > 1]
+        if shared and not torch_split_counts_a_reused_weight_once():
+            raise ConfigError(
+                f"pipeline.deferred_w=false on {info.name}: stage {index} uses one weight twice "
+                f"({' and '.join(shared[0])}), and torch {torch.__version__}'s retained-graph split adds "
+                "such a weight's gradient twice (pytorch #180952, fixed in torch 2.14): keep "
+                "pipeline.deferred_w=true (the default), or use torch 2.14 or later"
+            )
+
+
+@functools.cache
+def torch_split_counts_a_reused_weight_once() -> bool:
+    """Whether torch's split backward (``stage_backward_input`` then ``stage_backward_weight``) gives a
+    weight used twice on one path (``x @ w @ w``) the gradient autograd gives it: the behaviour pytorch
+    #180952 fixed, asked of the installed torch rather than read from its version."""
+    from pp_offload.runtime.compat import stage_backward_input, stage_backward_weight
+
+    start = torch.tensor([[0.4, -0.2], [0.7, 0.3]])
+    x = torch.tensor([[1.1, -0.7]])
+    w = start.clone().requires_grad_()
+    (want,) = torch.autograd.grad((x @ w @ w).sum(), [w])
+    weight = nn.Parameter(start.clone())
+    inputs = x.clone().requires_grad_()
+    _, groups = stage_backward_input([(inputs @ weight @ weight).sum()], None, [inputs], iter([weight]))
+    stage_backward_weight(iter([weight]), groups)
+    return weight.grad is not None and torch.allclose(weight.grad, want)
 
 
 def apply_recompute(config: RecipeConfig, split: ModelSplit) -> int:
@@ -234,7 +360,6 @@ def rank_schedule(
     (made from ``offload_inputs``, else from the planner's figures for a budget policy,
     `pp_offload.recipe.offload_figures.planner_offload_inputs`) and its OFFLOAD/RELOAD actions in it,
     splitting backward as ``pipeline.deferred_w`` asks (`pp_offload.runtime.catalog.build_schedule`)."""
-    from pp_offload.recipe.offload_figures import planner_offload_inputs
     from pp_offload.runtime.offload import enable_offload
 
     spec = config.pipeline

@@ -35,7 +35,7 @@ class StopRequest:
 
     ``with StopRequest() as stop:`` ... ``stop.requested`` ... : the previous handlers come back on exit.
     Outside the main thread (a notebook's worker thread) nothing is installed and ``requested`` stays
-    False; a signal that already has a handler (``pp_offload.launch`` dumps stacks on SIGUSR1) keeps it.
+    False; a signal that already has a handler (``pp_offload.local_ranks`` dumps stacks on SIGUSR1) keeps it.
     """
 
     def __init__(self) -> None:

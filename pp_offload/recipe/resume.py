@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pp_offload.recipe.checkpoint import checkpoint_meta, latest_step
+from pp_offload.recipe.checkpoint import CheckpointReadError, check_rng_files, checkpoint_meta, latest_step
 from pp_offload.recipe.config import ConfigError, RecipeConfig
 from pp_offload.recipe.lr import LrRestart, extension
 
-__all__ = ["ResumePlan", "plan_resume", "run_differences"]
+__all__ = ["ResumePlan", "check_checkpoints", "plan_resume", "run_differences"]
 
 # Keys that may differ between launches of one run (section -> keys; "*": the whole section).
 _FREE = {
@@ -134,3 +134,20 @@ def plan_resume(
     if step >= config.train.steps:
         note += f"; nothing left to train (train.steps={config.train.steps})"
     return ResumePlan(step, note=note, lr_restart=restart, layout_changed=changed)
+
+
+def check_checkpoints(config: RecipeConfig, layout: dict[str, int]) -> str | None:
+    """What the ranks will do with ``<output.dir>/checkpoints``, decided by the launcher before any rank
+    starts: raises for another run's checkpoints (`plan_resume`) and for a latest checkpoint whose small
+    files (``latest.json``, ``meta.json``, every ``rng_<rank>.pt``) cannot be read as data, which the
+    ranks would refuse only after loading the data, under torchrun's 40-line failure report. Returns the
+    resume note the ranks will print, or None for a fresh start. Reads nothing of the tensors' DCP files."""
+    root = Path(config.output.dir) / "checkpoints"
+    plan = plan_resume(config, root, restarts=0, layout=layout)
+    if plan.step is None or plan.wipe:
+        return plan.note
+    where = root / f"step_{plan.step:08d}"
+    if not where.is_dir():
+        raise CheckpointReadError(f"{root / 'latest.json'} names step {plan.step} but {where} is missing")
+    check_rng_files(root, plan.step)
+    return plan.note

@@ -1,7 +1,8 @@
-"""What ``model.path`` and ``model.tokenizer`` name, checked before anything loads, and the tokenizer itself.
+"""The run's tokenizer (``model.tokenizer``, ``model.path``'s, the embedded one, or one trained on the data),
+and the one-line error for a hub id missing from an offline cache.
 
-Why separate: these checks run in the launcher too (``pp-offload train``, ``--check``), in a second and
-without torch.distributed, so a typo stops the job before any rank starts.
+What ``model.path`` and ``model.tokenizer`` name is checked before anything loads, by
+`pp_offload.recipe.preflight.check_model_sources`.
 """
 
 from __future__ import annotations
@@ -11,106 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pp_offload.recipe.config import ConfigError, RecipeConfig
+from pp_offload.recipe.config import TRAIN_TOKENIZER, ConfigError, RecipeConfig
 
-__all__ = ["TRAIN_TOKENIZER", "check_model_sources", "load_tokenizer", "missing_from_cache"]
-
-#: Files of which at least one is in a tokenizer's directory (fast, slow and sentencepiece tokenizers).
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "spiece.model",
-)
-#: Weight files of a transformers model directory (safetensors, sharded or not, or the older .bin).
-_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json")
-#: ``model.tokenizer``'s value that trains a byte-level BPE on the training data.
-TRAIN_TOKENIZER = "train"
-
-
-def check_model_sources(config: RecipeConfig) -> None:
-    """What ``model.path`` and ``model.tokenizer`` name must be there, checked in a second before anything
-    loads: a local directory must hold a config, weights and (unless ``model.tokenizer`` is set) a
-    tokenizer, each missing one named with the key that provides it; a hub id fails fast when the hub
-    cannot be reached (offline mode uses the local cache) instead of after transformers' half minute of
-    retries."""
-    from pp_offload.hub import endpoint, hub_reachable, offline_mode
-
-    spec = config.model
-    if spec.tokenizer == TRAIN_TOKENIZER and spec.path is not None:
-        raise ConfigError(
-            f"model.tokenizer=train trains a new tokenizer, whose token ids the pretrained model.path="
-            f"{spec.path!r} has never seen: use its own tokenizer (leave model.tokenizer unset), or build a "
-            "new model from model.config"
-        )
-    if spec.path is not None:
-        _check_model_dir(spec.path, tokenizer_given=spec.tokenizer is not None)
-    if spec.tokenizer not in (None, TRAIN_TOKENIZER):
-        _check_tokenizer_dir(spec.tokenizer)
-    remote = [
-        (key, value)
-        for key, value in (("model.path", spec.path), ("model.tokenizer", spec.tokenizer))
-        if value is not None and value != TRAIN_TOKENIZER and not Path(value).exists()
-    ]
-    if remote and not offline_mode() and not hub_reachable():
-        key, value = remote[0]
-        raise ConfigError(
-            f"{key}={value!r} is not a local path and the hub ({endpoint()}) is unreachable: download it "
-            "first and give its directory, or set HF_HUB_OFFLINE=1 to use a copy in your Hugging Face cache"
-        )
-
-
-def _looks_local(value: str) -> bool:
-    """A path the user clearly meant as a directory, so a missing one is a typo, not a hub id to look up."""
-    return value.startswith(("/", "./", "../", "~"))
-
-
-def _check_model_dir(path: str, *, tokenizer_given: bool) -> None:
-    local = Path(path).expanduser()
-    if not local.exists():
-        if _looks_local(path):
-            raise ConfigError(f"model.path={path!r}: no such directory")
-        return  # a hub id
-    if not local.is_dir():
-        raise ConfigError(
-            f"model.path={path!r} is a file; give the model's directory (config.json, weights, tokenizer)"
-        )
-    if not (local / "config.json").is_file():
-        raise ConfigError(
-            f"model.path={path!r} holds no config.json: give a transformers model directory (as written by "
-            "save_pretrained), or build a new model from its config with model.config: {model_type: ...}"
-        )
-    if not any(next(local.glob(pattern), None) for pattern in _WEIGHT_PATTERNS):
-        raise ConfigError(
-            f"model.path={path!r} holds a config.json but no weights (model.safetensors): to train a new "
-            "model from that config, give its entries as model.config (e.g. model.config: {model_type: gpt2, "
-            "n_layer: 4}) instead of model.path, with model.tokenizer (a tokenizer directory, or train)"
-        )
-    if not tokenizer_given and not _has_tokenizer(local):
-        raise ConfigError(
-            f"model.path={path!r} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): set "
-            "model.tokenizer to a tokenizer's directory or hub id"
-        )
-
-
-def _has_tokenizer(directory: Path) -> bool:
-    return any((directory / name).is_file() for name in _TOKENIZER_FILES)
-
-
-def _check_tokenizer_dir(value: str) -> None:
-    local = Path(value).expanduser()
-    if not local.exists():
-        if _looks_local(value):
-            raise ConfigError(f"model.tokenizer={value!r}: no such directory")
-        return  # a hub id
-    if not local.is_dir() or not _has_tokenizer(local):
-        raise ConfigError(
-            f"model.tokenizer={value!r} is not a tokenizer directory (none of "
-            f"{', '.join(_TOKENIZER_FILES)}): give the directory a tokenizer's save_pretrained wrote, a hub "
-            "id, or train (a byte-level BPE trained on data.path)"
-        )
+__all__ = ["load_tokenizer", "missing_from_cache"]
 
 
 def load_tokenizer(
@@ -130,13 +34,6 @@ def load_tokenizer(
 
         if examples is None:
             raise ValueError("model.tokenizer=train needs the training examples")
-        if config.data.streaming:
-            raise ConfigError(
-                "model.tokenizer=train reads all the data to train a tokenizer, data.streaming never does: "
-                "train one once (pp_offload.data.tokenizer.train_tokenizer on a sample, then "
-                "save_pretrained) and set model.tokenizer to its directory, or prepare the data "
-                "(data.streaming: false)"
-            )
         try:
             loader = examples if callable(examples) else (lambda: examples)
             key = data_key(data_identity(config.data, cache_dir=cache, examples=loader))

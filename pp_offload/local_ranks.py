@@ -334,7 +334,7 @@ def send(kind: str, payload: Any = None) -> None:
     full (the parent reads continuously). Outside a rank of `run_on_ranks` this raises RuntimeError.
     """
     if _channel is None:
-        raise RuntimeError("launch.send() works only inside a rank started by run_on_ranks")
+        raise RuntimeError("local_ranks.send() works only inside a rank started by run_on_ranks")
     _channel.write(_MESSAGE, pickle.dumps((kind, payload)))
 
 

@@ -1,4 +1,4 @@
-"""`pp_offload.launch.run_on_ranks`: results in rank order, progress messages while the ranks run, and
+"""`pp_offload.local_ranks.run_on_ranks`: results in rank order, progress messages while the ranks run, and
 every way a run can go wrong (a rank raises, a rank dies, a rank hangs) ends promptly, with the cause, and
 with no process left behind.
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pp_offload import launch
-from pp_offload.launch import RankError, RankTimeout, run_on_ranks
+from pp_offload import local_ranks
+from pp_offload.local_ranks import RankError, RankTimeout, run_on_ranks
 
 
 def _gone(pid: int) -> bool:
@@ -64,8 +64,8 @@ def _identity(rank: int, world_size: int, arg: str, *, key: int) -> dict:
 
 def _chatty(rank: int, world_size: int, flag: str) -> bool:
     for i in range(3):
-        launch.send("step", i)
-    launch.send("pid", os.getpid())
+        local_ranks.send("step", i)
+    local_ranks.send("pid", os.getpid())
     if rank != 0:
         return False
     deadline = time.monotonic() + 10  # the parent answers our messages while we run
@@ -77,21 +77,21 @@ def _chatty(rank: int, world_size: int, flag: str) -> bool:
 
 
 def _fail_on_one(rank: int, world_size: int) -> None:
-    launch.send("pid", os.getpid())
+    local_ranks.send("pid", os.getpid())
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
     dist.recv(torch.zeros(1), src=1)  # never comes: only the parent's kill ends this
 
 
 def _die_on_one(rank: int, world_size: int) -> None:
-    launch.send("pid", os.getpid())
+    local_ranks.send("pid", os.getpid())
     if rank == 1:
         os._exit(3)
     time.sleep(60)
 
 
 def _stuck_forever(rank: int, world_size: int) -> None:
-    launch.send("pid", os.getpid())
+    local_ranks.send("pid", os.getpid())
     if rank == 0:
         dist.recv(torch.zeros(1), src=1)
     else:
@@ -207,10 +207,10 @@ def test_an_unpicklable_result_is_the_ranks_error():
 
 _CALLER = """
 import sys
-from pp_offload import launch
-import test_launch
-launch.PRELOAD = ("torch",)  # a fresh fork server: the smallest preload, to start quickly
-launch.run_on_ranks(test_launch._report_pid_and_hang, 2, sys.argv[1], timeout=60)
+from pp_offload import local_ranks
+import test_local_ranks
+local_ranks.PRELOAD = ("torch",)  # a fresh fork server: the smallest preload, to start quickly
+local_ranks.run_on_ranks(test_local_ranks._report_pid_and_hang, 2, sys.argv[1], timeout=60)
 """
 
 
@@ -237,4 +237,4 @@ def test_ranks_die_with_a_caller_killed_outright(tmp_path):
 
 def test_send_outside_a_rank_raises():
     with pytest.raises(RuntimeError, match="inside a rank"):
-        launch.send("step", 0)
+        local_ranks.send("step", 0)

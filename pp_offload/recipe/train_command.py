@@ -118,35 +118,18 @@ def check_before_launch(
     Raises what the ranks would raise (`pp_offload.recipe.cli.CONFIGURATION_ERRORS`, `CheckpointReadError`);
     returns the line the ranks will print about the output dir's checkpoints (a resume), or None."""
     from pp_offload.data import embedded_assets, embedded_dir, load_examples
-    from pp_offload.recipe.model_loading import check_config_model, hf_config_of, num_layers_of
+    from pp_offload.recipe.model_loading import check_config_model
     from pp_offload.recipe.preflight import preflight
-    from pp_offload.recipe.run_checks import check_checkpoints, check_positions
+    from pp_offload.recipe.resume import check_checkpoints
     from pp_offload.recipe.run_data import data_cache, prepare_data
-    from pp_offload.recipe.sources import check_model_sources, load_tokenizer
+    from pp_offload.recipe.sources import load_tokenizer
     from pp_offload.recipe.topology import topology
-    from pp_offload.recipe.train import _check
 
     config = config.validated()
-    _check(config)
     if world < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {world}")
     topo = topology(config, world=world)
-    if config.train.device == "cuda":
-        import torch
-
-        count = torch.cuda.device_count()
-        local = world if per_node is None else per_node
-        if count < local:
-            raise ConfigError(
-                f"train.device=cuda with {local} processes needs {local} GPUs (one per rank), this machine "
-                f"shows {count}: fewer processes, or train.device=cpu"
-            )
-    check_model_sources(config)
-    if topo.distributed:
-        preflight(config, topo, num_layers_of(config))
-    elif config.pipeline.pp not in (None, 1):
-        raise ConfigError(f"pipeline.pp={config.pipeline.pp} needs that many processes: --nproc-per-node")
-    check_positions(config, hf_config_of(config))
+    preflight(config, topo, per_node=world if per_node is None else per_node)
     resume = check_checkpoints(config, {"pp": topo.pp, "dp": topo.dp})
     import datasets
 
